@@ -1,0 +1,81 @@
+// The combine's receive side (DESIGN sections 2 and 4).
+//   epserve_combine_arm      : adds this call's expected 64-column units to `expected`
+//   epserve_combine_reduce   : waits (bounded) until every expected unit has arrived, then
+//                              out[t] = bf16(sum_j w[t,j] * recv[t,j,:]), fp32, j ascending
+//   epserve_release_recv     : tells every peer this rank has finished reading its recv
+#include "common/bf16.cuh"
+#include "common/errors.cuh"
+#include "sinks/peer_send_config.cuh"
+
+using namespace epserve;
+
+extern "C" __global__ void epserve_combine_arm(const int* __restrict__ topk_idx, int T, int k, int units_per_slot,
+                                               unsigned long long* expected) {
+  __shared__ unsigned long long total;
+  if (threadIdx.x == 0) total = 0;
+  __syncthreads();
+  unsigned long long mine = 0;
+  for (int i = threadIdx.x; i < T * k; i += blockDim.x) mine += topk_idx[i] >= 0;
+  atomicAdd(&total, mine);
+  __syncthreads();
+  if (threadIdx.x == 0) *expected += total * units_per_slot;
+}
+
+// One block per token at a time; each thread owns 8 consecutive columns (16 bytes).
+// wait = 0 when the rows came by stream-ordered copies (NCCL) and no counter is involved.
+extern "C" __global__ void epserve_combine_reduce(const bf16_t* __restrict__ recv, const int* __restrict__ topk_idx,
+                                                  const float* __restrict__ topk_weights, bf16_t* __restrict__ out,
+                                                  int T, int k, int H, const unsigned long long* arrive,
+                                                  const unsigned long long* expected, int* error,
+                                                  unsigned long long timeout_ns, int wait) {
+  __shared__ int ok;
+  if (threadIdx.x == 0) {
+    ok = 1;
+    if (wait) {
+      const unsigned long long target = *expected;
+      if (!wait_at_least(arrive, target, timeout_ns)) {
+        // detail: how many units are missing (clamped), so the message can say how far it got
+        const unsigned long long got = ld_acquire_sys(arrive);
+        const unsigned long long missing = target - got;
+        record_error(error, kCombineWaitTimeout, -1, missing > 0x7fffffffull ? 0x7fffffff : static_cast<int>(missing));
+        ok = 0;
+      }
+    }
+  }
+  __syncthreads();
+  if (!ok) return;
+  for (int t = blockIdx.x; t < T; t += gridDim.x) {
+    for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
+      float acc[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+      for (int j = 0; j < k; ++j) {
+        if (topk_idx[t * k + j] < 0) continue;
+        const float w = topk_weights[t * k + j];
+        const uint4 v = ld_cg_v4(recv + (static_cast<long long>(t) * k + j) * H + c);
+        const uint32_t p[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(w, bf16_lo(p[i])));
+          acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(w, bf16_hi(p[i])));
+        }
+      }
+      uint4 o;
+      o.x = pack_bf16x2(acc[0], acc[1]);
+      o.y = pack_bf16x2(acc[2], acc[3]);
+      o.z = pack_bf16x2(acc[4], acc[5]);
+      o.w = pack_bf16x2(acc[6], acc[7]);
+      *reinterpret_cast<uint4*>(out + static_cast<long long>(t) * H + c) = o;
+    }
+  }
+}
+
+// Runs after the reduction in stream order: recv may now be overwritten by the next combine.
+struct PeerCounters {
+  unsigned long long* ready[EPSERVE_MAX_PEERS];  // each rank's ready array, as mapped here
+};
+
+extern "C" __global__ void epserve_release_recv(const PeerCounters peers, int rank, int world) {
+  const int d = threadIdx.x;
+  if (d < world) red_release_sys_add(peers.ready[d] + rank, 1ull);
+}

@@ -1,0 +1,37 @@
+// Device-side error records and the bounded spin-wait. A wait that runs out records
+// (code, peer) once and returns false; the host turns the record into PeerTimeoutError or
+// EPServeError naming the rank and the stage (epserve/errors.py, epserve/signals.py).
+#pragma once
+#include "common/ptx.cuh"
+
+namespace epserve {
+
+enum ErrorCode : int {
+  kOk = 0,
+  kCombineWaitTimeout = 1,   // combine reduction waited for rows that never arrived
+  kPeerReadyTimeout = 2,     // a sender waited for a peer to release its recv buffer
+  kBadSrcInfo = 3,           // a row's src_info names a rank, token or slot out of range
+};
+
+// error[0] = code, error[1] = peer rank (or -1), error[2] = detail (e.g. the bad value)
+__device__ __forceinline__ void record_error(int* error, int code, int peer, int detail) {
+  if (atomicCAS(error, 0, code) == 0) {
+    error[1] = peer;
+    error[2] = detail;
+    __threadfence();
+  }
+}
+
+// Spin until *counter >= target, at most timeout_ns; true when reached.
+__device__ __forceinline__ bool wait_at_least(const unsigned long long* counter, unsigned long long target,
+                                              unsigned long long timeout_ns) {
+  if (ld_acquire_sys(counter) >= target) return true;
+  const unsigned long long start = globaltimer_ns();
+  while (ld_acquire_sys(counter) < target) {
+    if (globaltimer_ns() - start > timeout_ns) return false;
+    __nanosleep(64);
+  }
+  return true;
+}
+
+}  // namespace epserve

@@ -1,0 +1,115 @@
+"""MoEConfig: the sizes one expert-parallel MoE layer is built for, checked once up front so
+that a bad size fails here with a clear message instead of deep inside a kernel, and
+check_agreement, which makes sure every rank built the same one."""
+
+import dataclasses
+import math
+import numbers
+
+from epserve.errors import ConfigError, RankMismatchError
+from epserve.layout import MAX_RANKS, MAX_SLOTS, MAX_TOKENS
+
+# The GEMMs tile the hidden and intermediate dimensions by this many elements.
+KERNEL_TILE = 64
+
+_INT_FIELDS = ("num_experts", "top_k", "hidden", "intermediate", "max_tokens_per_rank",
+               "world_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    hidden: int
+    intermediate: int
+    max_tokens_per_rank: int
+    world_size: int = 1
+    max_recv_rows: int | None = None
+    wait_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        self.validate()
+        # Store plain Python numbers whatever the caller passed (NumPy scalars included), so
+        # to_dict pickles small and error messages print values as the user wrote them.
+        for name in _INT_FIELDS:
+            object.__setattr__(self, name, int(getattr(self, name)))
+        if self.max_recv_rows is not None:
+            object.__setattr__(self, "max_recv_rows", int(self.max_recv_rows))
+        object.__setattr__(self, "wait_timeout_s", float(self.wait_timeout_s))
+
+    @property
+    def experts_per_rank(self):
+        return self.num_experts // self.world_size
+
+    @property
+    def recv_rows_capacity(self):
+        """Rows one rank may receive: max_recv_rows, or else the worst case, where every
+        token of every rank sends each of its slots here, at most one per local expert."""
+        if self.max_recv_rows is not None:
+            return self.max_recv_rows
+        return (self.max_tokens_per_rank * self.world_size
+                * min(self.top_k, self.experts_per_rank))
+
+    def validate(self):
+        for name in _INT_FIELDS:
+            _require_positive_int(name, getattr(self, name))
+        if self.max_recv_rows is not None:
+            _require_positive_int("max_recv_rows", self.max_recv_rows)
+        _require_at_most("world_size", self.world_size, MAX_RANKS,
+                         "src_info packs the source rank in 7 bits")
+        _require_at_most("top_k", self.top_k, MAX_SLOTS, "src_info packs the slot in 4 bits")
+        _require_at_most("max_tokens_per_rank", self.max_tokens_per_rank, MAX_TOKENS,
+                         "src_info packs the token in 20 bits")
+        if self.num_experts % self.world_size:
+            raise ConfigError(f"MoEConfig.num_experts = {self.num_experts} is not allowed: it "
+                              f"must be a multiple of world_size = {self.world_size}, so "
+                              f"every rank owns the same number of experts")
+        if self.top_k > self.num_experts:
+            raise ConfigError(f"MoEConfig.top_k = {self.top_k} is not allowed: it must be at "
+                              f"most num_experts = {self.num_experts}")
+        for name in ("hidden", "intermediate"):
+            value = getattr(self, name)
+            if value % KERNEL_TILE:
+                raise ConfigError(f"MoEConfig.{name} = {value} is not allowed: it must be a "
+                                  f"multiple of {KERNEL_TILE}, since the kernels tile it by "
+                                  f"{KERNEL_TILE}")
+        timeout = self.wait_timeout_s
+        if (not isinstance(timeout, numbers.Real) or isinstance(timeout, bool)
+                or not math.isfinite(timeout) or timeout <= 0):
+            raise ConfigError(f"MoEConfig.wait_timeout_s = {timeout!r} is not allowed: it must "
+                              f"be a finite number of seconds > 0 (every device-side wait "
+                              f"is bounded)")
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+
+def check_agreement(cfg, comm):
+    """Raise RankMismatchError, on every rank alike, unless all ranks of the mpi4py
+    communicator `comm` hold the same config and its world_size is comm's size.
+    Collective: every rank of comm must call it."""
+    per_rank = comm.allgather(cfg.to_dict())
+    disagreements = []
+    for field in dataclasses.fields(MoEConfig):
+        values = [fields[field.name] for fields in per_rank]
+        if any(value != values[0] for value in values):
+            each = ", ".join(f"rank {rank} has {value!r}" for rank, value in enumerate(values))
+            disagreements.append(f"ranks disagree on MoEConfig.{field.name}: {each}")
+    if disagreements:
+        raise RankMismatchError("; ".join(disagreements))
+    # Checked after agreement, so that every rank sees the same world_size here.
+    if cfg.world_size != comm.Get_size():
+        raise RankMismatchError(f"MoEConfig.world_size = {cfg.world_size} but the communicator "
+                                f"has {comm.Get_size()} ranks; they must be equal")
+
+
+def _require_positive_int(name, value):
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"MoEConfig.{name} = {value!r} is not allowed: it must be a "
+                          f"positive integer")
+
+
+def _require_at_most(name, value, limit, reason):
+    if value > limit:
+        raise ConfigError(f"MoEConfig.{name} = {value} is not allowed: it must be at most "
+                          f"{limit} ({reason})")

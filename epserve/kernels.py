@@ -1,0 +1,28 @@
+"""Every kernel module epserve ships: its source under cuda/ and its defines. The runtime
+loads modules from here and the CI build test compiles each entry, so a variant that is
+shipped is a variant that is compiled in CI."""
+
+from __future__ import annotations
+
+from .build import load_module
+
+SINKS = {"null": "NullPeerSink", "peer": "EpPeerSink"}
+
+GEMM_SOURCE = "gemm/grouped_gemm.cu"
+COMBINE_SOURCE = "comm/combine.cu"
+ROWS_SOURCE = "comm/rows.cu"
+SWIGLU_SOURCE = "ffn/swiglu.cu"
+
+# name -> (source, defines)
+VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
+    **{f"gemm_{sink}": (GEMM_SOURCE, {"EPSERVE_SINK": cls}) for sink, cls in SINKS.items()},
+    "combine": (COMBINE_SOURCE, {}),
+    "rows": (ROWS_SOURCE, {}),
+    "swiglu": (SWIGLU_SOURCE, {}),
+}
+
+
+def module(name: str):
+    """The loaded cupy.RawModule of variant `name` on the current device."""
+    source, defines = VARIANTS[name]
+    return load_module(source, defines)

@@ -1,0 +1,108 @@
+"""The kernel build, on a machine with no GPU: every shipped variant compiles for sm_90a
+through the same function the runtime uses; the cache is keyed by every included file."""
+
+import re
+
+import pytest
+
+from epserve import build, kernels
+from epserve.errors import BuildError
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("EPSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.mark.parametrize("name", sorted(kernels.VARIANTS))
+def test_every_variant_compiles_for_sm90a(name, cache):
+    source, defines = kernels.VARIANTS[name]
+    art = build.compile_source(source, defines)
+    assert art.cubin.stat().st_size > 0 and art.cubin.parent == cache
+    assert ".target sm_90a" in art.ptx.read_text()
+    assert "spill" in art.log  # ptxas -v resource report is kept beside the cubin
+    assert not re.search(r"[1-9]\d* bytes spill stores", art.log), art.log
+
+
+def gemm_ptx(sink: str) -> str:
+    source, defines = kernels.VARIANTS[f"gemm_{sink}"]
+    return build.compile_source(source, defines).ptx.read_text()
+
+
+def config_param_uses(ptx: str) -> list[str]:
+    """PTX lines that read the PeerSendConfig parameter (a load, or taking its address)."""
+    param = re.search(r"\.param \.align 8 \.b8 (epserve_grouped_gemm_param_\d+)\[192\]", ptx)
+    assert param, "the GEMM takes PeerSendConfig by value in both builds"
+    return [line for line in ptx.splitlines() if param.group(1) in line and ".param .align" not in line]
+
+
+SEND_CODE = {
+    "system-scope fence": r"fence\.(sc|acq_rel)\.sys|membar\.sys",
+    "release atomic": r"red\.release\.sys|atom\.release\.sys",
+    "acquire load": r"ld\.acquire\.sys",
+    "generic 16-byte store (the store through a mapped peer pointer)": r"\bst\.v4\.u32",
+}
+
+
+def test_null_sink_build_contains_no_peer_send_code(cache):
+    ptx = gemm_ptx("null")
+    for what, pattern in SEND_CODE.items():
+        assert not re.search(pattern, ptx), f"null-sink GEMM has a {what}"
+    # Stores through peer pointers need the peer pointers: the null build never reads them.
+    assert not config_param_uses(ptx), "null-sink GEMM reads PeerSendConfig"
+
+
+def test_peer_sink_build_contains_peer_send_code(cache):
+    ptx = gemm_ptx("peer")
+    for what, pattern in SEND_CODE.items():
+        assert re.search(pattern, ptx), f"peer-sink GEMM lacks a {what}"
+    assert config_param_uses(ptx), "peer-sink GEMM never reads PeerSendConfig"
+
+
+def test_cache_hit_returns_the_same_entry(cache):
+    a = build.compile_source("ffn/swiglu.cu")
+    mtime = a.cubin.stat().st_mtime_ns
+    b = build.compile_source("ffn/swiglu.cu")
+    assert a == b and b.cubin.stat().st_mtime_ns == mtime
+    assert not list(cache.glob("*.tmp"))
+
+
+def test_key_covers_defines_options_and_every_included_header(cache, tmp_path, monkeypatch):
+    root = tmp_path / "cuda"
+    (root / "inc").mkdir(parents=True)
+    (root / "inc" / "deep.cuh").write_text("#pragma once\n#define DEEP 1\n")
+    (root / "inc" / "mid.cuh").write_text('#pragma once\n#include "inc/deep.cuh"\n')
+    (root / "k.cu").write_text('#include "inc/mid.cuh"\nextern "C" __global__ void k(int* x) { *x = DEEP + V; }\n')
+    monkeypatch.setattr(build, "CUDA_ROOT", root)
+    assert set(build.include_closure("k.cu")) == {"k.cu", "inc/mid.cuh", "inc/deep.cuh"}
+    keys = {build.compile_source("k.cu", {"V": 1}).key}
+    keys.add(build.compile_source("k.cu", {"V": 2}).key)
+    keys.add(build.compile_source("k.cu", {"V": 2}, ("-G",)).key)
+    (root / "inc" / "deep.cuh").write_text("#pragma once\n#define DEEP 2\n")  # two levels down
+    keys.add(build.compile_source("k.cu", {"V": 2}, ("-G",)).key)
+    assert len(keys) == 4
+
+
+def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("EPSERVE_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert build.compile_source("ffn/swiglu.cu").cubin.parent == tmp_path / "elsewhere"
+
+
+def test_compile_error_carries_the_log(cache, tmp_path, monkeypatch):
+    (tmp_path / "bad.cu").write_text('extern "C" __global__ void k() { undefined_symbol_xyz(); }\n')
+    monkeypatch.setattr(build, "CUDA_ROOT", tmp_path)
+    with pytest.raises(BuildError, match="undefined_symbol_xyz"):
+        build.compile_source("bad.cu")
+
+
+def test_missing_include_is_named(cache, tmp_path, monkeypatch):
+    (tmp_path / "k.cu").write_text('#include "nope/missing.cuh"\n')
+    monkeypatch.setattr(build, "CUDA_ROOT", tmp_path)
+    with pytest.raises(BuildError, match="nope/missing.cuh"):
+        build.compile_source("k.cu")
+
+
+def test_gemm_without_a_sink_define_is_refused(cache):
+    with pytest.raises(BuildError, match="EPSERVE_SINK"):
+        build.compile_source(kernels.GEMM_SOURCE, {})

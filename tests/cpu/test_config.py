@@ -1,0 +1,119 @@
+"""MoEConfig validation, and check_agreement against a fake communicator (the real
+multi-process run lives in tests/mpi)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from epserve.config import MoEConfig, check_agreement
+from epserve.errors import ConfigError, RankMismatchError
+
+GOOD = dict(num_experts=8, top_k=2, hidden=128, intermediate=64, max_tokens_per_rank=16,
+            world_size=2)
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(num_experts=0), "num_experts"),
+    (dict(num_experts=-8), "num_experts"),
+    (dict(num_experts=8.0), "num_experts"),
+    (dict(top_k=True), "top_k"),
+    (dict(hidden="128"), "hidden"),
+    (dict(top_k=0), "top_k"),
+    (dict(world_size=0), "world_size"),
+    (dict(max_tokens_per_rank=0), "max_tokens_per_rank"),
+    (dict(world_size=3), "num_experts"),
+    (dict(top_k=9), "top_k"),
+    (dict(num_experts=32, top_k=17), "top_k"),
+    (dict(num_experts=256, world_size=256), "world_size"),
+    (dict(max_tokens_per_rank=2**20 + 1), "max_tokens_per_rank"),
+    (dict(hidden=100), "hidden"),
+    (dict(intermediate=96), "intermediate"),
+    (dict(max_recv_rows=0), "max_recv_rows"),
+    (dict(wait_timeout_s=0), "wait_timeout_s"),
+    (dict(wait_timeout_s=-1.0), "wait_timeout_s"),
+    (dict(wait_timeout_s=float("nan")), "wait_timeout_s"),
+])
+def test_bad_config_names_the_field(changes, field):
+    with pytest.raises(ConfigError, match=field) as caught:
+        MoEConfig(**{**GOOD, **changes})
+    print(caught.value)
+
+
+def test_tile_message_says_why():
+    with pytest.raises(ConfigError, match="multiple of 64.*tile"):
+        MoEConfig(**{**GOOD, "hidden": 96})
+
+
+@pytest.mark.parametrize("changes", [
+    {},
+    dict(world_size=1),
+    dict(num_experts=16, top_k=16, world_size=16),
+    dict(num_experts=128, world_size=128, max_tokens_per_rank=2**20),
+    dict(max_recv_rows=1, wait_timeout_s=1),
+    dict(num_experts=np.int64(8), hidden=np.int32(7168)),
+])
+def test_good_configs_pass(changes):
+    cfg = MoEConfig(**{**GOOD, **changes})
+    assert MoEConfig(**cfg.to_dict()) == cfg
+    assert all(type(v) in (int, float, type(None)) for v in cfg.to_dict().values())
+
+
+def test_derived_sizes():
+    cfg = MoEConfig(**GOOD)
+    assert cfg.experts_per_rank == 4
+    assert cfg.recv_rows_capacity == 16 * 2 * 2
+    # With fewer local experts than top_k a token sends at most one row per local expert.
+    assert MoEConfig(**{**GOOD, "top_k": 4, "world_size": 8}).recv_rows_capacity == 16 * 8
+    assert MoEConfig(**{**GOOD, "max_recv_rows": 5}).recv_rows_capacity == 5
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        MoEConfig(**GOOD).hidden = 256
+
+
+class FakeComm:
+    """Stands in for an mpi4py communicator whose ranks hold `configs`."""
+
+    def __init__(self, configs):
+        self.configs = configs
+
+    def allgather(self, obj):
+        assert obj in [c.to_dict() for c in self.configs]
+        return [c.to_dict() for c in self.configs]
+
+    def Get_size(self):
+        return len(self.configs)
+
+
+def test_agreement_passes():
+    configs = [MoEConfig(**GOOD), MoEConfig(**GOOD)]
+    for cfg in configs:
+        check_agreement(cfg, FakeComm(configs))
+
+
+def test_mismatch_is_named_identically_on_every_rank():
+    configs = [MoEConfig(**{**GOOD, "hidden": 7168}), MoEConfig(**{**GOOD, "hidden": 4096})]
+    messages = set()
+    for cfg in configs:
+        with pytest.raises(RankMismatchError) as caught:
+            check_agreement(cfg, FakeComm(configs))
+        messages.add(str(caught.value))
+    assert messages == {"ranks disagree on MoEConfig.hidden: rank 0 has 7168, rank 1 has 4096"}
+
+
+def test_every_mismatched_field_is_named():
+    configs = [MoEConfig(**GOOD), MoEConfig(**{**GOOD, "top_k": 4, "wait_timeout_s": 5.0})]
+    with pytest.raises(RankMismatchError) as caught:
+        check_agreement(configs[0], FakeComm(configs))
+    message = str(caught.value)
+    assert "MoEConfig.top_k: rank 0 has 2, rank 1 has 4" in message
+    assert "MoEConfig.wait_timeout_s: rank 0 has 30.0, rank 1 has 5.0" in message
+    assert "hidden" not in message
+
+
+def test_world_size_must_match_the_communicator():
+    configs = [MoEConfig(**{**GOOD, "world_size": 4})] * 2
+    with pytest.raises(RankMismatchError, match="world_size = 4.*2 ranks"):
+        check_agreement(configs[0], FakeComm(configs))
