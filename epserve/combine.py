@@ -1,0 +1,101 @@
+"""Combine: GEMM 2's rows back to their home ranks' recv slots, then the fixed-order
+weighted reduction (DESIGN section 2). The fused path is GEMM 2 itself with the peer sink;
+the unfused path is GEMM 2 into C followed by a transport of C's rows:
+  nccl - pack C's rows by home rank, grouped NCCL send/recv, scatter into recv slots;
+  ipc  - push C's rows into the peers' recv slots with the peer sink's own scatter kernel
+         (ranks sharing a GPU, where NCCL refuses).
+Both land the same bytes in the same slots, so their outputs are bitwise equal.
+
+Every combine has a number (its epoch, the same on every rank). A sender writes into rank
+d's recv for combine e only after d has released it for combine e - 1 (release_recv, run
+after d's reduction), so no call overwrites rows a peer is still reducing."""
+
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from . import ops
+from .device_plan import DevicePlan
+from .nccl_transport import exchange_rows
+from .sendconfig import pack_peer_pointers, pack_peer_send_config
+from .signals import SIZE as SIGNAL_BYTES
+from .signals import SignalBlock
+
+
+class Combiner:
+    def __init__(self, group, *, top_k: int, hidden: int, max_tokens: int, wait_timeout_s: float, transport: str,
+                 nccl_comm=None, dtype=None):
+        if transport not in ("nccl", "ipc"):
+            raise ValueError(f"unknown combine transport {transport!r}")
+        self.group = group
+        self.rank, self.world = group.rank, group.world
+        self.top_k, self.hidden, self.max_tokens = top_k, hidden, max_tokens
+        self.timeout_ns = int(wait_timeout_s * 1e9)
+        self.transport = transport
+        self.nccl = nccl_comm
+        self.dtype = dtype
+        self._recv = group.allocate(max_tokens * top_k * hidden * 2)
+        self.signals = SignalBlock(group.allocate(SIGNAL_BYTES))
+        self._ready_table = pack_peer_pointers([self.signals.peer_ready(d) for d in range(self.world)])
+        self.epoch = 0  # combines begun so far
+        cupy.cuda.runtime.deviceSynchronize()
+        group.comm.Barrier()  # every signal block is zeroed before anyone signals into it
+
+    @property
+    def recv(self) -> cupy.ndarray:
+        """This rank's recv slots [max_tokens, k, H] (bf16)."""
+        return self._recv.view(self.dtype, (self.max_tokens, self.top_k, self.hidden))
+
+    def send_config(self, src_info, epoch: int) -> np.ndarray:
+        return pack_peer_send_config(
+            recv=self._recv.peer_ptrs, arrive=[self.signals.peer_arrive(d) for d in range(self.world)],
+            ready=self.signals.ready_ptr, src_info=0 if src_info is None else src_info.data.ptr,
+            error=self.signals.error_ptr, epoch=epoch, timeout_ns=self.timeout_ns, rank=self.rank, world=self.world,
+            top_k=self.top_k, hidden=self.hidden, max_tokens=self.max_tokens)
+
+    def gemm_only(self, act, w2, plan: DevicePlan, intermediate: int) -> None:
+        """GEMM 2 with the peer sink gated off: the math alone, nothing sent or allocated."""
+        cfg = self.send_config(plan.src_info, self.epoch + 1)
+        ops.grouped_gemm("peer", act, w2, None, plan.expert_offsets, w2.shape[0], self.hidden, intermediate, cfg, -1)
+
+    def fused(self, act, w2, plan: DevicePlan, topk_idx, topk_weights, intermediate: int, out=None, release=True):
+        """GEMM 2 whose epilogue writes every row into its home rank's recv; then the reduction."""
+        self.epoch += 1
+        cfg = self.send_config(plan.src_info, self.epoch)
+        ops.grouped_gemm("peer", act, w2, None, plan.expert_offsets, w2.shape[0], self.hidden, intermediate, cfg, 0)
+        return self._reduce(topk_idx, topk_weights, out, wait=True, release=release)
+
+    def unfused(self, C, plan: DevicePlan, topk_idx, topk_weights, out=None, release=True):
+        """C [M, H] (GEMM 2 with the null sink) -> recv slots by the transport -> the reduction."""
+        self.epoch += 1
+        M, row_bytes = plan.num_recv_rows, self.hidden * 2
+        if self.transport == "ipc":
+            ops.push_rows_to_peers(C, M, self.hidden, self.send_config(plan.src_info, self.epoch))
+            return self._reduce(topk_idx, topk_weights, out, wait=True, release=release)
+        h = plan.host
+        packed = cupy.empty_like(C)
+        ops.copy_rows(packed, C, None, plan.combine_pack_idx, M, row_bytes)
+        staging = cupy.empty((plan.num_send_rows, self.hidden), self.dtype)
+        # Rows go back the way they came: what s sent us returns to s, what we sent to r comes back from r.
+        exchange_rows(self.nccl, packed, h.recv_counts, h.recv_displs, staging, h.send_counts, h.send_displs,
+                      row_bytes)
+        ops.copy_rows(self.recv, staging, plan.home_slot, None, plan.num_send_rows, row_bytes)
+        return self._reduce(topk_idx, topk_weights, out, wait=False, release=release)
+
+    def _reduce(self, topk_idx, topk_weights, out, *, wait: bool, release: bool):
+        T = topk_idx.shape[0]
+        if out is None:
+            out = cupy.empty((T, self.hidden), self.dtype)
+        s = self.signals
+        if wait:
+            ops.combine_arm(topk_idx, T, self.top_k, self.hidden // 64, s.expected_ptr)
+        ops.combine_reduce(self.recv, topk_idx, topk_weights, out, T, self.top_k, self.hidden, s.arrive_ptr,
+                           s.expected_ptr, s.error_ptr, self.timeout_ns, wait)
+        if release:
+            self.release()
+        return out
+
+    def release(self) -> None:
+        """Tell every peer this rank's recv may take the next combine's rows."""
+        ops.release_recv(self._ready_table, self.rank, self.world)

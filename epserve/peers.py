@@ -1,0 +1,102 @@
+"""Symmetric device buffers: the same size on every rank, allocated with plain cudaMalloc
+(not CuPy's pool, whose IPC handles name the pool chunk's base) and mapped into every peer
+through CUDA IPC (DESIGN section 5).
+
+A PeerGroup owns its buffers and tears them down in the order DESIGN section 5 fixes:
+synchronize, close the peers' mappings, barrier, free, barrier. Every method that talks to
+other ranks is collective: all ranks call it in the same order.
+"""
+
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from .errors import EPServeError
+
+_LAZY_PEER_ACCESS = getattr(cupy.cuda.runtime, "cudaIpcMemLazyEnablePeerAccess", 1)
+
+
+class SymmetricBuffer:
+    """One buffer of `nbytes` on every rank; `peer_ptr(d)` is rank d's buffer as seen here."""
+
+    def __init__(self, nbytes: int, local_ptr: int, peer_ptrs: list[int], rank: int):
+        self.nbytes = nbytes
+        self.rank = rank
+        self._ptr = local_ptr
+        self._peer_ptrs = peer_ptrs
+        owner = self  # keeps the allocation reachable while views exist
+        mem = cupy.cuda.UnownedMemory(local_ptr, nbytes, owner)
+        self._memptr = cupy.cuda.MemoryPointer(mem, 0)
+
+    @property
+    def ptr(self) -> int:
+        return self._ptr
+
+    def peer_ptr(self, rank: int) -> int:
+        return self._peer_ptrs[rank]
+
+    @property
+    def peer_ptrs(self) -> list[int]:
+        return list(self._peer_ptrs)
+
+    def view(self, dtype, shape, offset: int = 0) -> cupy.ndarray:
+        """A CuPy array over this rank's buffer (no copy)."""
+        dtype = np.dtype(dtype)
+        size = int(np.prod(shape)) * dtype.itemsize
+        if offset < 0 or offset + size > self.nbytes:
+            raise ValueError(f"view of {size} bytes at {offset} exceeds the {self.nbytes}-byte buffer")
+        return cupy.ndarray(shape, dtype, self._memptr + offset)
+
+
+class PeerGroup:
+    """The symmetric buffers of one communicator, and their orderly teardown."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.world = comm.Get_size()
+        self.buffers: list[SymmetricBuffer] = []
+        self._opened: list[int] = []  # peers' mappings, closed before anything is freed
+        self._closed = False
+
+    def allocate(self, nbytes: int) -> SymmetricBuffer:
+        """Collective: every rank must ask for the same size."""
+        sizes = self.comm.allgather(int(nbytes))
+        if len(set(sizes)) != 1:
+            raise EPServeError(f"symmetric buffer sizes differ between ranks: {sizes}")
+        rt = cupy.cuda.runtime
+        ptr = rt.malloc(nbytes)
+        try:
+            handle = bytes(rt.ipcGetMemHandle(ptr))
+        except Exception:
+            rt.free(ptr)
+            raise
+        handles = self.comm.allgather(handle)
+        peer_ptrs = []
+        for d, h in enumerate(handles):
+            if d == self.rank:  # never open one's own handle
+                peer_ptrs.append(ptr)
+                continue
+            mapped = rt.ipcOpenMemHandle(h, _LAZY_PEER_ACCESS)
+            self._opened.append(mapped)
+            peer_ptrs.append(mapped)
+        buf = SymmetricBuffer(nbytes, ptr, peer_ptrs, self.rank)
+        self.buffers.append(buf)
+        return buf
+
+    def close(self) -> None:
+        """Collective teardown; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        rt = cupy.cuda.runtime
+        rt.deviceSynchronize()
+        for mapped in self._opened:
+            rt.ipcCloseMemHandle(mapped)
+        self._opened.clear()
+        self.comm.Barrier()  # nobody frees while a peer still maps it
+        for buf in self.buffers:
+            rt.free(buf.ptr)
+        self.buffers.clear()
+        self.comm.Barrier()

@@ -1,0 +1,75 @@
+"""The per-rank signal block (one symmetric buffer) and the device error record.
+
+Layout (bytes):
+    0    arrive    u64          64-column units of combine rows that reached this rank's recv
+    64   ready     u64[8]       ready[d]: combines rank d has finished reading (d writes it)
+    192  expected  u64          local: units this rank has been promised so far
+    256  error     int32[4]     local: code, peer, detail (cuda/common/errors.cuh)
+Counters only grow (DESIGN section 4): nothing is reset between calls, so nothing races with
+a reset.
+"""
+
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from .errors import EPServeError, PeerTimeoutError
+from .sendconfig import MAX_PEERS
+
+ARRIVE, READY, EXPECTED, ERROR = 0, 64, 192, 256
+SIZE = 512
+
+_CODES = {
+    1: ("combine-wait", PeerTimeoutError,
+        "the combine waited for rows that never arrived ({detail} 64-column units missing): a peer is dead, stuck "
+        "or slower than wait_timeout_s"),
+    2: ("peer-ready-wait", PeerTimeoutError,
+        "a sender waited for rank {peer} to release its recv buffer for combine #{detail}, in vain: rank {peer} is "
+        "dead, stuck or slower than wait_timeout_s"),
+    3: ("peer-send", EPServeError,
+        "a dispatched row's src_info ({detail:#x}) names a rank, token or slot out of range; the row was not sent"),
+}
+
+
+class SignalBlock:
+    """Views of one rank's signal block, and the peers' addresses of theirs."""
+
+    def __init__(self, buffer):
+        self.buffer = buffer
+        self.buffer.view(np.uint8, (SIZE,)).fill(0)
+        self.error = buffer.view(np.int32, (4,), ERROR)
+        self.expected = buffer.view(np.uint64, (1,), EXPECTED)
+        self.arrive = buffer.view(np.uint64, (1,), ARRIVE)
+        self.ready = buffer.view(np.uint64, (MAX_PEERS,), READY)
+
+    def peer_arrive(self, d: int) -> int:
+        return self.buffer.peer_ptr(d) + ARRIVE
+
+    def peer_ready(self, d: int) -> int:
+        return self.buffer.peer_ptr(d) + READY
+
+    @property
+    def error_ptr(self) -> int:
+        return self.buffer.ptr + ERROR
+
+    @property
+    def ready_ptr(self) -> int:
+        return self.buffer.ptr + READY
+
+    @property
+    def expected_ptr(self) -> int:
+        return self.buffer.ptr + EXPECTED
+
+    @property
+    def arrive_ptr(self) -> int:
+        return self.buffer.ptr + ARRIVE
+
+    def raise_if_error(self, rank: int) -> None:
+        """Synchronizes the device, then turns a device error record into an exception."""
+        cupy.cuda.runtime.deviceSynchronize()
+        code, peer, detail, _ = (int(v) for v in cupy.asnumpy(self.error))
+        if code == 0:
+            return
+        stage, cls, text = _CODES.get(code, ("unknown", EPServeError, "device error code {code}"))
+        raise cls(f"rank {rank}: stage {stage}: " + text.format(peer=peer, detail=detail, code=code))
