@@ -1,0 +1,76 @@
+# epserve: install, test, run.
+#
+#   make install    use the system python3 if it already has everything (the GPU machine),
+#                   else create .venv and install epserve[test] there (plus the mpich wheel
+#                   when the machine has no MPI launcher); a no-op once done
+#   make test       every test this machine can run (GPU tests skip, saying why, without a GPU)
+#   make test-gpu   only the tests marked gpu
+#   make run        python -m epserve.main on NP ranks (default 2) under launch/run.py
+#   make bench      not there yet
+#   make clean      remove .venv, caches and build outputs
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := test
+
+VENV := .venv
+STAMP := $(VENV)/.epserve-installed
+NP ?= 2
+
+# What a ready Python must import, and the MPI launcher it needs (on PATH, or beside the
+# interpreter where the mpich wheel puts it, as launch/run.py looks).
+READY_CHECK := import numpy, cupy, cuda.bindings, mpi4py, ml_dtypes, pytest, os, shutil, sys; \
+	here = os.path.dirname(sys.executable); \
+	sys.exit(0 if any(shutil.which(n) or shutil.which(n, path=here) for n in ("mpiexec", "mpirun")) else 1)
+
+# Decided once per make run: the system python3 when it has everything, else the venv's.
+SYSTEM_READY := $(shell python3 -c '$(READY_CHECK)' >/dev/null 2>&1 && echo yes)
+
+ifeq ($(SYSTEM_READY),yes)
+PY := python3
+RUN_ENV :=
+else
+PY := $(VENV)/bin/python
+# The venv's bin first, so the mpich wheel's mpiexec is the launcher the tests find.
+RUN_ENV := PATH="$(CURDIR)/$(VENV)/bin:$$PATH"
+endif
+
+.PHONY: install test test-gpu run bench clean
+
+ifeq ($(SYSTEM_READY),yes)
+install:
+	@echo "make install: the system python3 ($$(command -v python3)) has numpy, cupy, cuda.bindings, mpi4py, ml_dtypes, pytest and an MPI launcher: using it, installing nothing"
+else
+install: $(STAMP)
+	@echo "make install: $(VENV) is ready (remove $(STAMP) to reinstall)"
+
+$(STAMP): setup.cfg pyproject.toml
+	@command -v python3 >/dev/null || { echo "make install: no python3 on PATH" >&2; exit 1; }
+	@echo "make install: the system python3 lacks some of numpy, cupy, cuda.bindings, mpi4py, ml_dtypes, pytest or an MPI launcher: installing into $(VENV)"
+	python3 -m venv $(VENV) || { echo "make install: 'python3 -m venv' failed; on Debian/Ubuntu install python3-venv" >&2; exit 1; }
+	$(VENV)/bin/python -m pip install --progress-bar off -e '.[test]'
+	@if command -v mpiexec >/dev/null || command -v mpirun >/dev/null; then \
+		echo "make install: using the MPI launcher on PATH ($$(command -v mpiexec || command -v mpirun))"; \
+	else \
+		echo "make install: no mpiexec/mpirun on PATH: installing the mpich wheel"; \
+		$(VENV)/bin/python -m pip install --progress-bar off mpich; \
+	fi
+	$(VENV)/bin/python -c '$(READY_CHECK)' || { echo "make install: $(VENV) is still missing a module or an MPI launcher" >&2; exit 1; }
+	touch $@
+endif
+
+test: install
+	$(RUN_ENV) $(PY) -m pytest -q tests
+
+test-gpu: install
+	$(RUN_ENV) $(PY) -m pytest -q -m gpu tests
+
+run: install
+	$(RUN_ENV) $(PY) launch/run.py -n $(NP) -- $(PY) -m mpi4py -m epserve.main
+
+bench:
+	@echo "make bench: the benchmarks are not written yet" >&2
+	@exit 1
+
+clean:
+	rm -rf $(VENV) .pytest_cache .cache build out
+	find . \( -path ./.git -o -path ./shared \) -prune -o \( -name '*.egg-info' -o -name __pycache__ \) -prune -exec rm -rf {} +
