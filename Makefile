@@ -65,6 +65,7 @@ test-gpu: install
 	$(RUN_ENV) $(PY) -m pytest -q -m gpu tests
 
 run: install
+	@$(RUN_ENV) $(PY) -m epserve.gpu_probe || { echo "make run: stopped; run it on a machine with NVIDIA Hopper GPUs" >&2; exit 1; }
 	$(RUN_ENV) $(PY) launch/run.py -n $(NP) -- $(PY) -m mpi4py -m epserve.main
 
 bench:

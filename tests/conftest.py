@@ -9,54 +9,11 @@ The GPU probe imports CuPy and asks the CUDA runtime only when a selected test n
 and only once per session; importing this file touches neither.
 """
 
-import functools
-
 import pytest
 
+from epserve.gpu_probe import gpu_unusable_reason
+
 GPU_SKIP_PREFIX = "no NVIDIA GPU visible"
-REQUIRED_COMPUTE_CAPABILITY = (9, 0)
-
-
-@functools.lru_cache(maxsize=None)
-def gpu_unusable_reason():
-    """None when a Hopper GPU is usable here, else a short sentence saying why not."""
-    try:
-        import cupy
-    except Exception as exc:  # ImportError, or a CUDA library that failed to load
-        return f"cannot import cupy ({type(exc).__name__}: {exc})"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # no driver, driver too old, no device
-        if not _driver_loadable():
-            return "no NVIDIA driver (libcuda.so.1 cannot be loaded)"
-        return f"CUDA runtime reports no device ({type(exc).__name__}: {exc})"
-    if count < 1:
-        return "CUDA runtime reports 0 devices"
-    for index in range(count):
-        try:
-            props = cupy.cuda.runtime.getDeviceProperties(index)
-        except Exception as exc:
-            return f"cannot query device {index} ({type(exc).__name__}: {exc})"
-        capability = (int(props["major"]), int(props["minor"]))
-        if capability != REQUIRED_COMPUTE_CAPABILITY:
-            name = props.get("name", b"?")
-            name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
-            want = "%d.%d" % REQUIRED_COMPUTE_CAPABILITY
-            return (
-                f"device {index} ({name}) has compute capability {capability[0]}.{capability[1]}, "
-                f"the sm_90a kernels need {want} (Hopper)"
-            )
-    return None
-
-
-def _driver_loadable():
-    import ctypes
-
-    try:
-        ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return False
-    return True
 
 
 def pytest_configure(config):
