@@ -17,15 +17,13 @@ import numpy as np
 
 from . import ops
 from .device_plan import DevicePlan
+from .kernel_structs import pack_peer_pointers, pack_peer_send_config
 from .nccl_transport import exchange_rows
-from .sendconfig import pack_peer_pointers, pack_peer_send_config
-from .signals import SIZE as SIGNAL_BYTES
-from .signals import SignalBlock
 
 
 class Combiner:
-    def __init__(self, group, *, top_k: int, hidden: int, max_tokens: int, wait_timeout_s: float, transport: str,
-                 nccl_comm=None, dtype=None):
+    def __init__(self, group, signals, *, top_k: int, hidden: int, max_tokens: int, wait_timeout_s: float,
+                 transport: str, nccl_comm=None, dtype=None):
         if transport not in ("nccl", "ipc"):
             raise ValueError(f"unknown combine transport {transport!r}")
         self.group = group
@@ -36,11 +34,9 @@ class Combiner:
         self.nccl = nccl_comm
         self.dtype = dtype
         self._recv = group.allocate(max_tokens * top_k * hidden * 2)
-        self.signals = SignalBlock(group.allocate(SIGNAL_BYTES))
+        self.signals = signals
         self._ready_table = pack_peer_pointers([self.signals.peer_ready(d) for d in range(self.world)])
         self.epoch = 0  # combines begun so far
-        cupy.cuda.runtime.deviceSynchronize()
-        group.comm.Barrier()  # every signal block is zeroed before anyone signals into it
 
     @property
     def recv(self) -> cupy.ndarray:

@@ -14,7 +14,7 @@ import cupy
 from . import ops
 from .device_plan import DevicePlan
 from .nccl_transport import exchange_rows
-from .sendconfig import pack_peer_pointers
+from .kernel_structs import pack_peer_pointers
 
 
 class Dispatcher:

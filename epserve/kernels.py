@@ -12,6 +12,7 @@ GEMM_SOURCE = "gemm/grouped_gemm.cu"
 COMBINE_SOURCE = "comm/combine.cu"
 ROWS_SOURCE = "comm/rows.cu"
 SWIGLU_SOURCE = "ffn/swiglu.cu"
+DISPATCH_SOURCE = "comm/dispatch.cu"
 
 # name -> (source, defines)
 VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
@@ -19,6 +20,7 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     "combine": (COMBINE_SOURCE, {}),
     "rows": (ROWS_SOURCE, {}),
     "swiglu": (SWIGLU_SOURCE, {}),
+    "dispatch": (DISPATCH_SOURCE, {}),
 }
 
 

@@ -10,7 +10,7 @@ import cupy
 import numpy as np
 
 from . import kernels
-from .sendconfig import PEER_SEND_CONFIG
+from .kernel_structs import PEER_SEND_CONFIG
 
 NULL = np.uint64(0)
 

@@ -1,10 +1,14 @@
 """The per-rank signal block (one symmetric buffer) and the device error record.
 
 Layout (bytes):
-    0    arrive    u64          64-column units of combine rows that reached this rank's recv
-    64   ready     u64[8]       ready[d]: combines rank d has finished reading (d writes it)
-    192  expected  u64          local: units this rank has been promised so far
-    256  error     int32[4]     local: code, peer, detail (cuda/common/errors.cuh)
+    0    arrive           u64       64-column units of combine rows that reached this rank's recv
+    8    count_arrive     u64       dispatch count rows that reached this rank's table
+    16   token_arrive     u64       dispatch token rows that reached this rank's token regions
+    64   ready            u64[8]    ready[d]: combines rank d has finished reading (d writes it)
+    128  dispatch_ready   u64[8]    dispatch_ready[d]: dispatches rank d has consumed
+    192  expected         u64       local: combine units this rank has been promised so far
+    200  expected_tokens  u64       local: dispatch token rows promised so far
+    256  error            int32[4]  local: code, peer, detail (cuda/common/errors.cuh)
 Counters only grow (DESIGN section 4): nothing is reset between calls, so nothing races with
 a reset.
 """
@@ -14,10 +18,10 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from .errors import EPServeError, PeerTimeoutError
-from .sendconfig import MAX_PEERS
+from .errors import ConfigError, EPServeError, PeerTimeoutError
+from .kernel_structs import MAX_PEERS
 
-ARRIVE, READY, EXPECTED, ERROR = 0, 64, 192, 256
+ARRIVE, COUNT_ARRIVE, TOKEN_ARRIVE, READY, DISPATCH_READY, EXPECTED, EXPECTED_TOKENS, ERROR = 0, 8, 16, 64, 128, 192, 200, 256
 SIZE = 512
 
 _CODES = {
@@ -27,13 +31,32 @@ _CODES = {
     2: ("peer-ready-wait", PeerTimeoutError,
         "a sender waited for rank {peer} to release its recv buffer for combine #{detail}, in vain: rank {peer} is "
         "dead, stuck or slower than wait_timeout_s"),
-    3: ("peer-send", EPServeError,
+    3: ("peer-send", ConfigError,
         "a dispatched row's src_info ({detail:#x}) names a rank, token or slot out of range; the row was not sent"),
+    4: ("dispatch-route", ConfigError, "topk_idx of token {peer} holds expert id {detail}, outside [-1, num_experts)"),
+    5: ("dispatch-ready-wait", PeerTimeoutError,
+        "waited for rank {peer} to release its dispatch buffers for dispatch #{detail}, in vain: rank {peer} is "
+        "dead, stuck or slower than wait_timeout_s"),
+    6: ("dispatch-count-wait", PeerTimeoutError,
+        "the dispatch count rows of some rank never arrived (dispatch #{detail}): a peer is dead, stuck or slower "
+        "than wait_timeout_s"),
+    7: ("dispatch-token-wait", PeerTimeoutError,
+        "token rows promised by the dispatch counts never arrived (dispatch #{detail}): a peer is dead, stuck or "
+        "slower than wait_timeout_s"),
 }
 
 
 class SignalBlock:
     """Views of one rank's signal block, and the peers' addresses of theirs."""
+
+    @classmethod
+    def create(cls, group) -> "SignalBlock":
+        """Collective: allocates and zeroes every rank's block; returns once all are zeroed,
+        so nobody signals into a block that is still being cleared."""
+        block = cls(group.allocate(SIZE))
+        cupy.cuda.runtime.deviceSynchronize()
+        group.comm.Barrier()
+        return block
 
     def __init__(self, buffer):
         self.buffer = buffer
@@ -48,6 +71,13 @@ class SignalBlock:
 
     def peer_ready(self, d: int) -> int:
         return self.buffer.peer_ptr(d) + READY
+
+    def peer(self, d: int, offset: int) -> int:
+        """Rank d's signal block at `offset`, as mapped here."""
+        return self.buffer.peer_ptr(d) + offset
+
+    def local(self, offset: int) -> int:
+        return self.buffer.ptr + offset
 
     @property
     def error_ptr(self) -> int:
@@ -71,5 +101,6 @@ class SignalBlock:
         code, peer, detail, _ = (int(v) for v in cupy.asnumpy(self.error))
         if code == 0:
             return
+        self.error.fill(0)  # reported once; a bad input leaves the service usable
         stage, cls, text = _CODES.get(code, ("unknown", EPServeError, "device error code {code}"))
         raise cls(f"rank {rank}: stage {stage}: " + text.format(peer=peer, detail=detail, code=code))

@@ -11,6 +11,10 @@ enum ErrorCode : int {
   kCombineWaitTimeout = 1,   // combine reduction waited for rows that never arrived
   kPeerReadyTimeout = 2,     // a sender waited for a peer to release its recv buffer
   kBadSrcInfo = 3,           // a row's src_info names a rank, token or slot out of range
+  kDispatchBadExpert = 4,    // topk_idx holds an id outside [-1, num_experts)
+  kDispatchReadyTimeout = 5, // a sender waited for a peer to release its dispatch buffers
+  kDispatchCountTimeout = 6, // the count rows of some rank never arrived
+  kDispatchTokenTimeout = 7, // token rows promised by the counts never arrived
 };
 
 // error[0] = code, error[1] = peer rank (or -1), error[2] = detail (e.g. the bad value)

@@ -30,6 +30,7 @@ from epserve.layout import plan_dispatch
 from epserve.nccl_transport import gpus_shared, make_nccl
 from epserve.peers import PeerGroup
 from epserve.reference import reference_layer, rel_error
+from epserve.signals import SignalBlock
 from epserve.testing import BF16, layer_inputs
 
 POISON = 0xFFFF  # a bf16 NaN: no finite GEMM result has these bits
@@ -67,7 +68,7 @@ class Case:
         self.group = PeerGroup(comm)
         send_cap = max(sum(int((i.topk_idx >= 0).sum()) for i in self.inputs), 1)
         self.dispatcher = Dispatcher(self.group, H, send_cap, transport, nccl, BF16)
-        self.combiner = Combiner(self.group, top_k=k, hidden=H, max_tokens=self.max_tokens, wait_timeout_s=20.0,
+        self.combiner = Combiner(self.group, SignalBlock.create(self.group), top_k=k, hidden=H, max_tokens=self.max_tokens, wait_timeout_s=20.0,
                                  transport=transport, nccl_comm=nccl, dtype=BF16)
         self.x, self.idx = to_device(me.x), to_device(me.topk_idx)
         self.w, self.w13, self.w2 = to_device(me.topk_weights), to_device(me.w13), to_device(me.w2)

@@ -13,7 +13,6 @@ import sys
 
 import cupy
 import numpy as np
-
 from mpi4py import MPI
 
 from epserve import comm as ep_comm
@@ -23,6 +22,7 @@ from epserve.device_plan import DevicePlan
 from epserve.layout import plan_dispatch
 from epserve.nccl_transport import gpus_shared, make_nccl
 from epserve.peers import PeerGroup
+from epserve.signals import SignalBlock
 from epserve.testing import BF16, routing
 
 
@@ -72,7 +72,7 @@ def main():
     C = cupy.empty((M, H), BF16)
 
     group = PeerGroup(comm)
-    comb = Combiner(group, top_k=k, hidden=H, max_tokens=T, wait_timeout_s=60.0, transport=transport, nccl_comm=nccl,
+    comb = Combiner(group, SignalBlock.create(group), top_k=k, hidden=H, max_tokens=T, wait_timeout_s=60.0, transport=transport, nccl_comm=nccl,
                     dtype=BF16)
     out_f = cupy.empty((T, H), BF16)
     out_u = cupy.empty((T, H), BF16)

@@ -1,0 +1,256 @@
+// Direct-store dispatch (DESIGN sections 2 and 4): every token row crosses to a destination
+// rank at most once, however many of that rank's experts it routes to; the destination
+// expands it into the expert-contiguous rows of the dispatch order (local expert, source
+// rank, token, slot). Counts are exchanged on the device, through every rank's count table.
+//
+//   route   (1 block)  per-(t, j) rank inside its expert's rows from this source, per-token
+//                      position inside each destination's token region, this rank's counts;
+//                      the count row goes to every rank's table, then a release
+//   layout  (1 block)  waits for every rank's count row; expert_offsets, per-source bases,
+//                      and a summary the host reads (rows per rank, error codes)
+//   send               token rows + their routing into the destinations' token regions
+//   expand             waits for the tokens; rows into expert order, with src_info
+//   release            the dispatch buffers may take the next call's rows
+//
+// The host reads the summary between layout and send: that is where it learns how many
+// rows arrive (to size GEMM 1's output) and where an overflow or a bad input on any rank
+// stops every rank before any token row moves.
+#include "comm/dispatch_config.cuh"
+#include "common/errors.cuh"
+#include "common/ptx.cuh"
+#include "common/src_info.cuh"
+
+using namespace epserve;
+
+namespace {
+
+constexpr int kRouteThreads = 1024;
+constexpr int kRouteWarps = kRouteThreads / 32;
+constexpr int kChunk = 32;  // tokens per warp-chunk in route
+
+__device__ __forceinline__ int ld_cg_s32(const int* p) {
+  int v;
+  asm volatile("ld.global.cg.s32 %0, [%1];\n" : "=r"(v) : "l"(p));
+  return v;
+}
+
+}  // namespace
+
+// Dynamic shared memory: kRouteWarps * (E + W) ints of per-warp counters, then E + W totals.
+extern "C" __global__ void __launch_bounds__(kRouteThreads, 1)
+    epserve_dispatch_route(const int* __restrict__ topk_idx, int T, int input_error, const DispatchConfig cfg,
+                           int* __restrict__ tok_pos, int* __restrict__ slot_rank, int* __restrict__ chunk_counts) {
+  extern __shared__ int smem[];
+  __shared__ int bad_id;
+  const int E = cfg.num_experts, W = cfg.world, k = cfg.top_k, e_loc = E / W;
+  const int width = E + W;  // counters: one per global expert, then one per destination (tokens)
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int* mine = smem + warp * width;
+  int* totals = smem + kRouteWarps * width;
+  const int chunks = (T + kChunk - 1) / kChunk;
+  if (threadIdx.x == 0) bad_id = 0x7fffffff;
+
+  // 1. counts per chunk of 32 tokens (order does not matter yet)
+  for (int c = warp; c < chunks; c += kRouteWarps) {
+    for (int i = lane; i < width; i += 32) mine[i] = 0;
+    __syncwarp();
+    const int t = c * kChunk + lane;
+    if (t < T) {
+      unsigned dests = 0;
+      for (int j = 0; j < k; ++j) {
+        const int e = topk_idx[t * k + j];
+        if (e < -1 || e >= E) {
+          atomicMin(&bad_id, t * k + j);
+          continue;
+        }
+        if (e < 0) continue;
+        atomicAdd(&mine[e], 1);
+        dests |= 1u << (e / e_loc);
+      }
+      for (int d = 0; d < W; ++d)
+        if (dests >> d & 1) atomicAdd(&mine[E + d], 1);
+    }
+    __syncwarp();
+    for (int i = lane; i < width; i += 32) chunk_counts[c * width + i] = mine[i];
+    __syncwarp();
+  }
+  __syncthreads();
+
+  // 2. exclusive scan over chunks, one counter per thread: chunk_counts becomes chunk bases
+  for (int i = threadIdx.x; i < width; i += kRouteThreads) {
+    int run = 0;
+    for (int c = 0; c < chunks; ++c) {
+      const int v = chunk_counts[c * width + i];
+      chunk_counts[c * width + i] = run;
+      run += v;
+    }
+    totals[i] = run;
+  }
+  __syncthreads();
+
+  // 3. in (token, slot) order: each slot's rank among its expert's rows from this source,
+  //    each token's position among the tokens going to each destination
+  for (int c = warp; c < chunks; c += kRouteWarps) {
+    for (int i = lane; i < width; i += 32) mine[i] = chunk_counts[c * width + i];
+    __syncwarp();
+    for (int tt = 0; tt < kChunk; ++tt) {
+      const int t = c * kChunk + tt;
+      if (t >= T) break;
+      const int e = lane < k ? topk_idx[t * k + lane] : -1;
+      const bool valid = e >= 0 && e < E;
+      const unsigned same = __match_any_sync(0xffffffffu, valid ? e : -1 - lane);
+      int r = -1;
+      if (valid) r = mine[e] + __popc(same & ((1u << lane) - 1));
+      if (lane < k) slot_rank[t * k + lane] = r;
+      const unsigned leader = __ffs(same) - 1;
+      __syncwarp();
+      if (valid && lane == static_cast<int>(leader)) mine[e] += __popc(same);
+      for (int d = 0; d < W; ++d) {
+        const unsigned to_d = __ballot_sync(0xffffffffu, valid && e / e_loc == d);
+        if (lane == 0) tok_pos[t * W + d] = to_d ? mine[E + d]++ : -1;
+      }
+      __syncwarp();
+    }
+  }
+  __syncthreads();
+
+  // 4. this rank's count row into every rank's table: [E + W counts, error code]
+  __shared__ int ok[EPSERVE_MAX_PEERS];
+  const int error_code = input_error ? input_error : (bad_id != 0x7fffffff ? kDispatchBadExpert : 0);
+  if (threadIdx.x < W) {
+    const int d = threadIdx.x;
+    ok[d] = wait_at_least(cfg.my_ready + d, cfg.epoch - 1, cfg.timeout_ns);
+    if (!ok[d]) record_error(cfg.error, kDispatchReadyTimeout, d, static_cast<int>(cfg.epoch));
+  }
+  if (threadIdx.x == 0 && error_code == kDispatchBadExpert) {
+    const int at = bad_id;
+    record_error(cfg.error, kDispatchBadExpert, at / k, topk_idx[at]);
+  }
+  __syncthreads();
+  const int row = width + 1;
+  for (int d = 0; d < W; ++d) {
+    if (!ok[d]) continue;
+    int* dst = cfg.count_table[d] + cfg.rank * row;
+    for (int i = threadIdx.x; i < row; i += kRouteThreads) dst[i] = i < width ? (error_code ? 0 : totals[i]) : error_code;
+  }
+  fence_acq_rel_sys();
+  __syncthreads();
+  if (threadIdx.x < W && ok[threadIdx.x]) red_release_sys_add(cfg.count_arrive[threadIdx.x], 1ull);
+}
+
+// summary: [0, W) rows each rank receives; [W, 2W) each rank's error code; [2W] token rows
+// arriving here; [2W + 1] 1 if the wait for the count rows ran out.
+extern "C" __global__ void epserve_dispatch_layout(const DispatchConfig cfg, int* __restrict__ expert_offsets,
+                                                   int* __restrict__ base, int* __restrict__ summary) {
+  const int E = cfg.num_experts, W = cfg.world, e_loc = E / W, row = E + W + 1;
+  __shared__ int arrived;
+  if (threadIdx.x == 0) {
+    arrived = wait_at_least(cfg.my_count_arrive, static_cast<unsigned long long>(W) * cfg.epoch, cfg.timeout_ns);
+    if (!arrived) record_error(cfg.error, kDispatchCountTimeout, -1, static_cast<int>(cfg.epoch));
+    summary[2 * W + 1] = !arrived;
+  }
+  __syncthreads();
+  if (!arrived) return;
+  const int* table = cfg.count_table[cfg.rank];
+  for (int d = threadIdx.x; d < W; d += blockDim.x) {
+    int rows = 0;
+    for (int s = 0; s < W; ++s)
+      for (int e = 0; e < e_loc; ++e) rows += ld_cg_s32(table + s * row + d * e_loc + e);
+    summary[d] = rows;
+    summary[W + d] = ld_cg_s32(table + d * row + E + W);
+  }
+  if (threadIdx.x == 0) {
+    int tokens = 0;
+    for (int s = 0; s < W; ++s) tokens += ld_cg_s32(table + s * row + E + cfg.rank);
+    summary[2 * W] = tokens;
+    int run = 0;
+    for (int e = 0; e < e_loc; ++e) {
+      expert_offsets[e] = run;
+      for (int s = 0; s < W; ++s) {
+        base[s * e_loc + e] = run;
+        run += ld_cg_s32(table + s * row + cfg.rank * e_loc + e);
+      }
+    }
+    expert_offsets[e_loc] = run;
+  }
+}
+
+// One warp per token: its row to every destination that owns one of its experts, once.
+extern "C" __global__ void epserve_dispatch_send(const bf16_t* __restrict__ x, int T, const int* __restrict__ topk_idx,
+                                                 const int* __restrict__ tok_pos, const int* __restrict__ slot_rank,
+                                                 const DispatchConfig cfg) {
+  __shared__ unsigned sent[EPSERVE_MAX_PEERS];
+  const int W = cfg.world, k = cfg.top_k, H = cfg.hidden, e_loc = cfg.num_experts / W, meta_len = 1 + 2 * k;
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  if (threadIdx.x < EPSERVE_MAX_PEERS) sent[threadIdx.x] = 0;
+  __syncthreads();
+  for (int t = blockIdx.x * warps + (threadIdx.x >> 5); t < T; t += gridDim.x * warps) {
+    const uint4* src = reinterpret_cast<const uint4*>(x + static_cast<long long>(t) * H);
+    for (int d = 0; d < W; ++d) {
+      const int pos = tok_pos[t * W + d];
+      if (pos < 0) continue;
+      const long long slot = static_cast<long long>(cfg.rank) * cfg.max_tokens + pos;
+      uint4* dst = reinterpret_cast<uint4*>(cfg.tokens[d] + slot * H);
+      for (int c = lane; c < H / 8; c += 32) st_v4(dst + c, src[c]);
+      int* meta = cfg.meta[d] + slot * meta_len;
+      if (lane == 0) meta[0] = t;
+      if (lane < k) {
+        const int e = topk_idx[t * k + lane];
+        const bool here = e >= 0 && e / e_loc == d;
+        meta[1 + lane] = here ? e - d * e_loc : -1;
+        meta[1 + k + lane] = here ? slot_rank[t * k + lane] : -1;
+      }
+      if (lane == 0) atomicAdd(&sent[d], 1u);
+    }
+  }
+  fence_acq_rel_sys();
+  __syncthreads();
+  if (threadIdx.x < W && sent[threadIdx.x]) red_release_sys_add(cfg.token_arrive[threadIdx.x], sent[threadIdx.x]);
+}
+
+// One warp per arrived token row: copied into every expert row it feeds, src_info beside it.
+extern "C" __global__ void epserve_dispatch_expand(const DispatchConfig cfg, const int* __restrict__ base,
+                                                   const int* __restrict__ summary, bf16_t* __restrict__ a,
+                                                   int* __restrict__ src_info) {
+  const int E = cfg.num_experts, W = cfg.world, k = cfg.top_k, H = cfg.hidden, e_loc = E / W, row = E + W + 1;
+  const int meta_len = 1 + 2 * k;
+  __shared__ int ok;
+  __shared__ int first[EPSERVE_MAX_PEERS + 1];  // prefix of token rows per source
+  if (threadIdx.x == 0) {
+    const unsigned long long target = *cfg.expected_tokens + summary[2 * W];
+    ok = wait_at_least(cfg.my_token_arrive, target, cfg.timeout_ns);
+    if (!ok) record_error(cfg.error, kDispatchTokenTimeout, -1, static_cast<int>(cfg.epoch));
+    const int* table = cfg.count_table[cfg.rank];
+    first[0] = 0;
+    for (int s = 0; s < W; ++s) first[s + 1] = first[s] + ld_cg_s32(table + s * row + E + cfg.rank);
+  }
+  __syncthreads();
+  if (!ok) return;
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  for (int i = blockIdx.x * warps + (threadIdx.x >> 5); i < first[W]; i += gridDim.x * warps) {
+    int s = 0;
+    while (i >= first[s + 1]) ++s;
+    const long long slot = static_cast<long long>(s) * cfg.max_tokens + (i - first[s]);
+    const int* meta = cfg.meta[cfg.rank] + slot * meta_len;
+    const int t = ld_cg_s32(meta);
+    const uint4* src = reinterpret_cast<const uint4*>(cfg.tokens[cfg.rank] + slot * H);
+    for (int j = 0; j < k; ++j) {
+      const int e = ld_cg_s32(meta + 1 + j);
+      if (e < 0) continue;
+      const int m = base[s * e_loc + e] + ld_cg_s32(meta + 1 + k + j);
+      uint4* dst = reinterpret_cast<uint4*>(a + static_cast<long long>(m) * H);
+      for (int c = lane; c < H / 8; c += 32) dst[c] = ld_cg_v4(src + c);
+      if (lane == 0) src_info[m] = (s << 24) | (t << 4) | j;
+    }
+  }
+}
+
+// After expand (or instead of it, when the host stopped the call): the token regions and the
+// count table may take the next call. `consumed` says whether this call's tokens were
+// awaited, so the expected count moves with them.
+extern "C" __global__ void epserve_dispatch_release(const DispatchConfig cfg, const int* __restrict__ summary,
+                                                    int consumed) {
+  const int W = cfg.world;
+  if (threadIdx.x == 0 && consumed) *cfg.expected_tokens += summary[2 * W];
+  if (threadIdx.x < W) red_release_sys_add(cfg.ready[threadIdx.x] + cfg.rank, 1ull);
+}

@@ -1,0 +1,27 @@
+// DispatchConfig: the direct-store dispatch's run-time state, passed by value.
+// epserve/dispatch_config.py packs it byte for byte; a CI test checks the offsets with the
+// compiler, as for PeerSendConfig.
+#pragma once
+#include "sinks/peer_send_config.cuh"
+
+struct DispatchConfig {
+  int* count_table[EPSERVE_MAX_PEERS];                  // each rank's [W][E + W + 1] count table, as mapped here
+  bf16_t* tokens[EPSERVE_MAX_PEERS];                    // each rank's token regions [W][max_tokens][H]
+  int* meta[EPSERVE_MAX_PEERS];                         // each rank's routing of those rows [W][max_tokens][1 + 2k]
+  unsigned long long* count_arrive[EPSERVE_MAX_PEERS];  // each rank's count-row counter
+  unsigned long long* token_arrive[EPSERVE_MAX_PEERS];  // each rank's token-row counter
+  unsigned long long* ready[EPSERVE_MAX_PEERS];         // each rank's dispatch-ready array
+  const unsigned long long* my_ready;                   // local: ready[d] = dispatches rank d has consumed
+  const unsigned long long* my_count_arrive;            // local
+  const unsigned long long* my_token_arrive;            // local
+  unsigned long long* expected_tokens;                  // local: token rows promised so far
+  int* error;                                           // local error record
+  unsigned long long epoch;                             // 1-based number of this dispatch
+  unsigned long long timeout_ns;
+  int rank;
+  int world;
+  int num_experts;
+  int top_k;
+  int hidden;
+  int max_tokens;
+};

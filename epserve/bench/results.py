@@ -1,0 +1,143 @@
+"""A benchmark's results: one Row per (preset, routing, tokens per rank, path), and the Run
+that holds them with the facts about the machine. Tables, JSON files and plots read these."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from epserve.bench import arithmetic
+from epserve.bench.arithmetic import Floor, Rates, Work
+from epserve.bench.presets import Preset, Routing
+from epserve.bench.timing import RankTiming, Timing
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One path at one shape. timing is None where the path does not apply (or could not
+    run) here; every other measured field is then None too."""
+
+    preset: Preset                  # tokens_per_rank is this row's point of the sweep
+    routing: Routing
+    path: str
+    timing: Timing | None = None    # the slowest rank's per-iteration times
+    rank: int | None = None         # which rank that is
+    per_rank_ms: tuple | None = None  # every rank's per-iteration times, by rank
+    flops_per_gpu: float | None = None
+    nvlink_bytes: int | None = None   # on the busiest direction of any rank's link
+    floor: Floor | None = None
+    unfused_ms: float | None = None   # the unfused path's median at this shape
+    library_ms: float | None = None   # the library baseline's median at this shape
+    wrong: int | None = None          # elements that differ bitwise from the unfused output
+
+    @property
+    def key(self) -> tuple:
+        """The shape this row measures: rows with one key are paths racing each other."""
+        return (self.preset, self.routing)
+
+    @property
+    def median_s(self) -> float | None:
+        return None if self.timing is None else self.timing.median_ms / 1e3
+
+    @property
+    def tflop_s(self) -> float | None:
+        if self.timing is None or not self.flops_per_gpu:
+            return None
+        return arithmetic.tflop_per_s(self.flops_per_gpu, self.median_s)
+
+    @property
+    def nvlink_gb_s(self) -> float | None:
+        if self.timing is None or not self.nvlink_bytes:
+            return None
+        return arithmetic.gb_per_s(self.nvlink_bytes, self.median_s)
+
+    @property
+    def x_floor(self) -> float | None:
+        if self.timing is None or self.floor is None:
+            return None
+        return arithmetic.x_floor(self.median_s, self.floor.seconds)
+
+    @property
+    def speedup_vs_unfused(self) -> float | None:
+        if self.timing is None or self.unfused_ms is None:
+            return None
+        return arithmetic.speedup(self.unfused_ms, self.timing.median_ms)
+
+    @property
+    def speedup_vs_library(self) -> float | None:
+        if self.timing is None or self.library_ms is None:
+            return None
+        return arithmetic.speedup(self.library_ms, self.timing.median_ms)
+
+
+def measured_row(preset: Preset, routing: Routing, path: str, slowest: RankTiming, work: Work,
+                 rates: Rates, *, per_rank_ms=None, wrong: int | None = None) -> Row:
+    """The Row of a path that ran: `slowest` from timing.slowest_rank, `work` what the path
+    must do (arithmetic.gemm2_combine_work and friends), `rates` measured in this run."""
+    return Row(preset=preset, routing=routing, path=path, timing=slowest.timing, rank=slowest.rank,
+               per_rank_ms=None if per_rank_ms is None else tuple(tuple(ms) for ms in per_rank_ms),
+               flops_per_gpu=work.flops_per_gpu, nvlink_bytes=work.nvlink.busiest,
+               floor=work.floor(rates), wrong=wrong)
+
+
+def with_baselines(rows, unfused_path: str, library_path: str | None = None) -> list[Row]:
+    """The rows with unfused_ms and library_ms set from the medians of the paths so named
+    at the same shape (left None where that path did not run)."""
+    medians = {(row.key, row.path): row.timing.median_ms for row in rows if row.timing is not None}
+    return [dataclasses.replace(row, unfused_ms=medians.get((row.key, unfused_path)),
+                                library_ms=medians.get((row.key, library_path)))
+            for row in rows]
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A whole benchmark run: `info` as report.preamble prints it, and the rows."""
+
+    info: dict
+    rows: tuple
+
+    def __post_init__(self):
+        object.__setattr__(self, "rows", tuple(self.rows))
+
+
+def row_to_dict(row: Row) -> dict:
+    """Every number of the row, the derived ones included (under "derived") so that a reader
+    of the file needs no epserve to use it; row_from_dict ignores them."""
+    return {
+        "preset": dataclasses.asdict(row.preset),
+        "routing": dataclasses.asdict(row.routing),
+        "path": row.path,
+        "timing": None if row.timing is None else row.timing.summary(),
+        "rank": row.rank,
+        "per_rank_ms": None if row.per_rank_ms is None else [list(ms) for ms in row.per_rank_ms],
+        "flops_per_gpu": row.flops_per_gpu,
+        "nvlink_bytes": row.nvlink_bytes,
+        "floor": None if row.floor is None else dataclasses.asdict(row.floor),
+        "unfused_ms": row.unfused_ms,
+        "library_ms": row.library_ms,
+        "wrong": row.wrong,
+        "derived": {
+            "tflop_s_per_gpu": row.tflop_s,
+            "nvlink_gb_s": row.nvlink_gb_s,
+            "x_floor": row.x_floor,
+            "speedup_vs_unfused": row.speedup_vs_unfused,
+            "speedup_vs_library": row.speedup_vs_library,
+        },
+    }
+
+
+def row_from_dict(d: dict) -> Row:
+    timing, floor, per_rank = d["timing"], d["floor"], d["per_rank_ms"]
+    return Row(
+        preset=Preset(**d["preset"]),
+        routing=Routing(**d["routing"]),
+        path=d["path"],
+        timing=None if timing is None else Timing(tuple(timing["samples_ms"])),
+        rank=d["rank"],
+        per_rank_ms=None if per_rank is None else tuple(tuple(ms) for ms in per_rank),
+        flops_per_gpu=d["flops_per_gpu"],
+        nvlink_bytes=d["nvlink_bytes"],
+        floor=None if floor is None else Floor(**floor),
+        unfused_ms=d["unfused_ms"],
+        library_ms=d["library_ms"],
+        wrong=d["wrong"],
+    )

@@ -1,0 +1,100 @@
+"""Structs passed BY VALUE to kernels, packed in Python byte for byte as CUDA lays them out:
+PeerSendConfig (cuda/sinks/peer_send_config.cuh) and DispatchConfig
+(cuda/comm/dispatch_config.cuh), plus the pointer tables of the row and release kernels.
+Each is a size-1 structured NumPy array: CuPy passes its data pointer and the driver copies
+the parameter's size. tests/cpu/test_kernel_structs.py compiles static_asserts of these
+offsets against the CUDA definitions."""
+
+from __future__ import annotations
+
+import numpy as np
+
+MAX_PEERS = 8  # EPSERVE_MAX_PEERS
+
+PEER_SEND_CONFIG = np.dtype(
+    [
+        ("recv", np.uint64, (MAX_PEERS,)),
+        ("arrive", np.uint64, (MAX_PEERS,)),
+        ("ready", np.uint64),
+        ("src_info", np.uint64),
+        ("error", np.uint64),
+        ("epoch", np.uint64),
+        ("timeout_ns", np.uint64),
+        ("rank", np.int32),
+        ("world", np.int32),
+        ("top_k", np.int32),
+        ("hidden", np.int32),
+        ("max_tokens", np.int32),
+        ("reserved", np.int32),
+    ],
+    align=True,
+)
+
+DISPATCH_CONFIG = np.dtype(
+    [
+        ("count_table", np.uint64, (MAX_PEERS,)),
+        ("tokens", np.uint64, (MAX_PEERS,)),
+        ("meta", np.uint64, (MAX_PEERS,)),
+        ("count_arrive", np.uint64, (MAX_PEERS,)),
+        ("token_arrive", np.uint64, (MAX_PEERS,)),
+        ("ready", np.uint64, (MAX_PEERS,)),
+        ("my_ready", np.uint64),
+        ("my_count_arrive", np.uint64),
+        ("my_token_arrive", np.uint64),
+        ("expected_tokens", np.uint64),
+        ("error", np.uint64),
+        ("epoch", np.uint64),
+        ("timeout_ns", np.uint64),
+        ("rank", np.int32),
+        ("world", np.int32),
+        ("num_experts", np.int32),
+        ("top_k", np.int32),
+        ("hidden", np.int32),
+        ("max_tokens", np.int32),
+    ],
+    align=True,
+)
+
+# CUDA struct name -> dtype, for the layout test
+STRUCTS = {"PeerSendConfig": PEER_SEND_CONFIG, "DispatchConfig": DISPATCH_CONFIG}
+
+# The pointer tables (PeerBases, PeerCounters) passed by value to the row and release kernels.
+PEER_POINTERS = np.dtype([("ptr", np.uint64, (MAX_PEERS,))], align=True)
+
+
+def pack(dtype: np.dtype, **fields) -> np.ndarray:
+    """One struct as a size-1 array; every field must be given (`world` among them). Per-rank
+    table fields take a list of `world` addresses."""
+    world = fields.get("world", 0)
+    if world > MAX_PEERS:
+        raise ValueError(f"epserve's peer paths serve at most {MAX_PEERS} ranks, got {world}")
+    missing = set(dtype.names) - set(fields) - {"reserved"}
+    unknown = set(fields) - set(dtype.names)
+    if missing or unknown:
+        raise ValueError(f"packing {dtype.names}: missing {sorted(missing)}, unknown {sorted(unknown)}")
+    out = np.zeros(1, dtype)
+    for name, value in fields.items():
+        if dtype.fields[name][0].shape:
+            if len(value) != world:
+                raise ValueError(f"{name}: need one address per rank ({world}), got {len(value)}")
+            out[name][0, :world] = value
+        else:
+            out[name] = value
+    return out
+
+
+def pack_peer_send_config(**fields) -> np.ndarray:
+    return pack(PEER_SEND_CONFIG, **fields)
+
+
+def pack_dispatch_config(**fields) -> np.ndarray:
+    return pack(DISPATCH_CONFIG, **fields)
+
+
+def pack_peer_pointers(addresses) -> np.ndarray:
+    """A PeerBases / PeerCounters table as a size-1 array."""
+    if len(addresses) > MAX_PEERS:
+        raise ValueError(f"at most {MAX_PEERS} peers, got {len(addresses)}")
+    table = np.zeros(1, PEER_POINTERS)
+    table["ptr"][0, : len(addresses)] = addresses
+    return table
