@@ -20,6 +20,8 @@ def routing(rng, tokens: int, num_experts: int, top_k: int, *, zipf: float = 0.0
     pool = np.arange(num_experts) if experts is None else np.asarray(experts)
     if top_k > pool.size:
         raise ValueError(f"top_k {top_k} exceeds the {pool.size} experts to choose from")
+    if zipf:
+        pool = rng.permutation(pool)  # the popular experts land on random ranks, not all on rank 0
     logits = -zipf * np.log(np.arange(1, pool.size + 1)) if zipf else np.zeros(pool.size)
     keys = logits + rng.gumbel(size=(tokens, pool.size))
     choice = np.argsort(-keys, axis=1)[:, :top_k]

@@ -60,7 +60,7 @@ def scaled(preset: Preset, tokens_per_rank: int | None = None, hidden: int | Non
            top_k: int | None = None) -> Preset:
     """`preset` with the given fields replaced. Changing only tokens_per_rank keeps the name
     (a sweep point of the same layer); changing the layer's shape appends SCALED_SUFFIX."""
-    shape = dict(hidden=hidden, intermediate=intermediate, num_experts=num_experts, top_k=top_k)
+    shape = {"hidden": hidden, "intermediate": intermediate, "num_experts": num_experts, "top_k": top_k}
     shape = {field: value for field, value in shape.items() if value is not None}
     changes = dict(shape)
     if tokens_per_rank is not None:

@@ -1,0 +1,71 @@
+"""Presets, their scaled versions for quick runs, and the routings the benchmark draws."""
+
+import numpy as np
+import pytest
+
+from epserve.bench import presets as ps
+from epserve.errors import ConfigError
+
+
+def test_preset_shapes():
+    assert ps.get_preset("dsv3-prefill") == ps.Preset("dsv3-prefill", 7168, 2048, 256, 8, 4096)
+    assert ps.get_preset("dsv3-decode").tokens_per_rank == 128
+    assert ps.get_preset("qwen3-moe") == ps.Preset("qwen3-moe", 2048, 768, 128, 8, 8192)
+    assert ps.get_preset("mixtral") == ps.Preset("mixtral", 4096, 14336, 8, 2, 4096)
+
+
+def test_unknown_preset_lists_the_names():
+    with pytest.raises(ConfigError) as info:
+        ps.get_preset("dsv4")
+    for name in ("dsv3-prefill", "dsv3-decode", "qwen3-moe", "mixtral"):
+        assert name in str(info.value)
+
+
+def test_scaled_keeps_the_name_for_a_sweep_point_only():
+    base = ps.get_preset("dsv3-prefill")
+    point = ps.scaled(base, tokens_per_rank=512)
+    assert point.name == "dsv3-prefill" and point.tokens_per_rank == 512 and point.hidden == 7168
+    small = ps.scaled(base, tokens_per_rank=16, hidden=256, intermediate=128, num_experts=8, top_k=2)
+    assert small == ps.Preset("dsv3-prefill/scaled", 256, 128, 8, 2, 16)
+    assert ps.scaled(small, hidden=512).name == "dsv3-prefill/scaled"
+    assert ps.scaled(base, hidden=7168).name == "dsv3-prefill"  # same shape: same layer
+
+
+@pytest.mark.parametrize("changes", [{"hidden": 0}, {"top_k": 300}, {"tokens_per_rank": 1.5}])
+def test_preset_rejects_bad_shapes(changes):
+    with pytest.raises(ConfigError):
+        ps.scaled(ps.get_preset("mixtral"), **changes)
+
+
+def test_routing_specs():
+    assert ps.get_routing("balanced") == ps.Routing("balanced", 0.0)
+    assert ps.get_routing("skewed") == ps.Routing("skewed", ps.DEFAULT_ZIPF) == ps.skewed()
+    assert ps.get_routing("skewed:2") == ps.Routing("skewed", 2.0)
+    assert ps.get_routing("skewed:1.5").label == "skewed(1.5)"
+    assert ps.balanced().label == "balanced"
+    for bad in ("uniform", "balanced:1", "skewed:x", "skewed:-1", "skewed:0", "skewed:inf"):
+        with pytest.raises(ConfigError):
+            ps.get_routing(bad)
+
+
+def test_draw_gives_every_rank_a_top_k_routing_from_one_seed():
+    preset = ps.scaled(ps.get_preset("qwen3-moe"), tokens_per_rank=64)
+    drawn = ps.balanced().draw(preset, world_size=2, seed=5)
+    assert len(drawn) == 2
+    for idx in drawn:
+        assert idx.shape == (64, 8) and idx.dtype == np.int32
+        assert idx.min() >= 0 and idx.max() < 128
+        assert all(len(set(row)) == 8 for row in idx.tolist())  # distinct experts per token
+    again = ps.balanced().draw(preset, world_size=2, seed=5)
+    assert all(np.array_equal(a, b) for a, b in zip(drawn, again, strict=True))
+
+
+def test_skewed_routing_loads_low_experts_more():
+    preset = ps.scaled(ps.get_preset("dsv3-prefill"), tokens_per_rank=512)
+
+    def rank0_share(routing):
+        idx = np.concatenate(routing.draw(preset, world_size=2, seed=1))
+        return np.mean(idx < 128)
+
+    assert rank0_share(ps.balanced()) == pytest.approx(0.5, abs=0.03)
+    assert rank0_share(ps.skewed()) > 0.65
