@@ -28,7 +28,7 @@ def _from_cuda_array_interface(obj) -> cupy.ndarray:
     strides = cai.get("strides")
     ptr = cai["data"][0]
     size = int(np.prod(shape)) * dtype.itemsize
-    mem = cupy.cuda.UnownedMemory(ptr, size, obj)
+    mem = cupy.cuda.UnownedMemory(ptr, size, obj, device_id=cupy.cuda.runtime.getDevice())
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0), strides=strides)
 
 

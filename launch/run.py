@@ -174,7 +174,18 @@ def build_command(launcher, flavor, nprocs, env, names, command, as_root=None) -
             argv += ["-genv", name, env[name]]
     else:
         raise LaunchError(f"unknown MPI launcher flavor {flavor!r}")
-    return argv + list(command)
+    return argv + resolve_program(command, env)
+
+
+def resolve_program(command, env) -> list:
+    """The command with its program made absolute by the launcher's own PATH: Open MPI's
+    daemons look a bare name up in their own PATH, which may find another python3."""
+    command = list(command)
+    if command and os.sep not in command[0] and env.get("PATH"):
+        found = shutil.which(command[0], path=env["PATH"])
+        if found:
+            command[0] = os.path.abspath(found)
+    return command
 
 
 def _descendants(pid: int) -> list:

@@ -1,44 +1,71 @@
 """Structs packed in Python must match the CUDA structs byte for byte. The check is made by
-the compiler: static_asserts of Python's sizes and offsets, compiled with NVRTC."""
+the compiler: NVRTC compiles one probe kernel per field, and its PTX gives the struct's size
+and alignment and each field's offset and width."""
+
+import re
 
 import numpy as np
 import pytest
 
 from epserve import build
-from epserve.errors import BuildError
 from epserve.kernel_structs import (MAX_PEERS, PEER_SEND_CONFIG, STRUCTS, pack_dispatch_config,
                                     pack_peer_send_config)
 
 
-def layout_asserts(structs: dict) -> str:
-    lines = [f"static_assert(EPSERVE_MAX_PEERS == {MAX_PEERS}, \"max peers\");"]
+def probe_kernels(structs: dict) -> str:
+    """One kernel per field (first and last element of arrays), reading it from the struct."""
+    kernels = []
     for struct, dtype in structs.items():
-        lines.append(f"static_assert(sizeof({struct}) == {dtype.itemsize}, \"size of {struct}\");")
-        lines.append(f"static_assert(alignof({struct}) == {dtype.alignment}, \"alignment of {struct}\");")
         for name in dtype.names:
-            sub, offset = dtype.fields[name][:2]
-            lines.append(f"static_assert(__builtin_offsetof({struct}, {name}) == {offset}, \"offset of {struct}::{name}\");")
-            lines.append(f"static_assert(sizeof({struct}::{name}) == {sub.itemsize}, \"size of {struct}::{name}\");")
-    return " ".join(lines)
+            sub = dtype.fields[name][0]
+            picks = [("", "")] if not sub.shape else [("_first", "[0]"), ("_last", f"[{sub.shape[0] - 1}]")]
+            for suffix, index in picks:
+                kernels.append(f'extern "C" __global__ void probe_{struct}_{name}{suffix}({struct} s, '
+                               f"unsigned long long* out) {{ *out = (unsigned long long)(s.{name}{index}); }}")
+    return " ".join(kernels)
 
 
-def compile_probe(structs, tmp_path, monkeypatch):
+def compiled_layout(structs, tmp_path, monkeypatch) -> dict:
+    """entry name -> (param size, param alignment, offset of the one field it loads, load bits)"""
     monkeypatch.setenv("EPSERVE_CACHE_DIR", str(tmp_path))
-    return build.compile_source("probes/struct_layout.cu", {"EPSERVE_LAYOUT_ASSERTS": layout_asserts(structs)})
+    ptx = build.compile_source("probes/struct_layout.cu", {"EPSERVE_LAYOUT_PROBES": probe_kernels(structs)}).ptx
+    layout = {}
+    for entry in re.finditer(r"\.entry (probe_\w+)\((.*?)^}", ptx.read_text(), re.S | re.M):
+        name, body = entry.groups()
+        align, size = re.search(rf"\.param \.align (\d+) \.b8 {name}_param_0\[(\d+)\]", body).groups()
+        loads = re.findall(rf"ld\.param\.[usb](\d+)\s+%\w+, \[{name}_param_0\+?(\d*)\]", body)
+        assert len(loads) == 1, (name, loads)
+        bits, offset = loads[0]
+        layout[name] = (int(size), int(align), int(offset or 0), int(bits))
+    return layout
 
 
 def test_python_packing_matches_the_cuda_structs(tmp_path, monkeypatch):
-    compile_probe(STRUCTS, tmp_path, monkeypatch)
+    layout = compiled_layout(STRUCTS, tmp_path, monkeypatch)
+    for struct, dtype in STRUCTS.items():
+        for name in dtype.names:
+            sub, offset = dtype.fields[name][:2]
+            elem = sub.base.itemsize
+            if sub.shape:
+                expect = {"_first": offset, "_last": offset + (sub.shape[0] - 1) * elem}
+            else:
+                expect = {"": offset}
+            for suffix, want in expect.items():
+                size, align, got, bits = layout[f"probe_{struct}_{name}{suffix}"]
+                assert (size, align) == (dtype.itemsize, dtype.alignment), f"{struct}: size or alignment"
+                assert got == want, f"{struct}::{name}{suffix}: CUDA offset {got}, Python {want}"
+                assert bits == 8 * elem, f"{struct}::{name}: CUDA loads {bits} bits, Python packs {8 * elem}"
 
 
-def test_the_probe_can_fail(tmp_path, monkeypatch):
+def test_the_check_can_fail(tmp_path, monkeypatch):
     names = list(PEER_SEND_CONFIG.names)
     offsets = [PEER_SEND_CONFIG.fields[n][1] for n in names]
     offsets[-3], offsets[-2] = offsets[-2], offsets[-3]  # swap two int fields
     swapped = np.dtype({"names": names, "formats": [PEER_SEND_CONFIG.fields[n][0] for n in names],
                         "offsets": offsets, "itemsize": PEER_SEND_CONFIG.itemsize})
-    with pytest.raises(BuildError, match="offset of PeerSendConfig::"):
-        compile_probe({"PeerSendConfig": swapped}, tmp_path, monkeypatch)
+    layout = compiled_layout({"PeerSendConfig": swapped}, tmp_path, monkeypatch)
+    got = layout[f"probe_PeerSendConfig_{names[-3]}"][2]
+    assert got != swapped.fields[names[-3]][1]
 
 
 def test_pack_fills_fields():

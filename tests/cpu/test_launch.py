@@ -130,6 +130,16 @@ def test_openmpi_command_not_root():
     assert argv[-1] == "true"
 
 
+def test_the_program_is_made_absolute_by_the_launchers_path(tmp_path):
+    (tmp_path / "prog").write_text("#!/bin/sh\n")
+    (tmp_path / "prog").chmod(0o755)
+    env = {"PATH": str(tmp_path)}
+    argv = run.build_command("mpirun", run.OPENMPI, 2, env, [], ["prog", "arg"], as_root=False)
+    assert argv[-2:] == [str(tmp_path / "prog"), "arg"]
+    assert run.resolve_program(["./local", "x"], env) == ["./local", "x"]
+    assert run.resolve_program(["not-there"], env) == ["not-there"]
+
+
 def test_hydra_command_passes_values_with_genv():
     env = {"NCCL_NVLS_ENABLE": "0", "EPSERVE_DEVICE": "0"}
     argv = run.build_command(
