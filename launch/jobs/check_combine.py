@@ -14,7 +14,6 @@ and does not hang; the peer build runs with no C at all (a null pointer). Prints
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -32,6 +31,7 @@ from epserve.peers import PeerGroup
 from epserve.reference import reference_layer, rel_error
 from epserve.signals import SignalBlock
 from epserve.testing import BF16, layer_inputs
+from job_report import report  # a sibling of this script
 
 POISON = 0xFFFF  # a bf16 NaN: no finite GEMM result has these bits
 
@@ -208,8 +208,7 @@ def main():
         finally:
             case.close()
         bad += bool(failures)
-        print("RESULT " + json.dumps(dict(case=name, rank=rank, transport=transport, ok=not failures,
-                                          failures=failures, **info)), flush=True)
+        report(comm, dict(case=name, rank=rank, transport=transport, ok=not failures, failures=failures, **info))
     total_bad = comm.allreduce(bad)
     if rank == 0:
         print(f"# check_combine: {'all cases passed' if total_bad == 0 else f'{total_bad} failing case-ranks'}",

@@ -14,7 +14,6 @@ exits non-zero if any check failed on any rank.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import cupy
@@ -26,6 +25,7 @@ from epserve.errors import EPServeError
 from epserve.layout import count_recv_rows
 from epserve.reference import reference_layer, rel_error
 from epserve.testing import BF16, layer_inputs
+from job_report import report  # a sibling of this script
 
 # name, H, I, E, k, token counts of successive calls (rank 0, rank 1), routing options
 SHAPES = [
@@ -224,8 +224,7 @@ def main():
     for n, (name, H, I, E, k, calls, opts) in enumerate(SHAPES):
         failures, info = run_shape(comm, name, H, I, E, k, calls, opts, args.seed + 10 * n)
         bad += bool(failures)
-        print("RESULT " + json.dumps(dict(case=name, rank=rank, ok=not failures, failures=failures, **info)),
-              flush=True)
+        report(comm, dict(case=name, rank=rank, ok=not failures, failures=failures, **info))
     total = comm.allreduce(bad)
     if rank == 0:
         print(f"# check_service: {'all cases passed' if not total else f'{total} failing case-ranks'}", flush=True)

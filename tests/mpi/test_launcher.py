@@ -155,9 +155,10 @@ def test_failing_rank_status_is_the_job_status():
 @pytest.mark.gpu
 def test_select_device_on_two_ranks():
     show = (
-        "from epserve.comm import local_rank, select_device; import cupy; "
+        "from epserve.comm import local_rank, select_device, world; import cupy; "
         "d = select_device(); "
-        "print('DEV', local_rank(), d, cupy.cuda.runtime.getDevice(), cupy.cuda.runtime.getDeviceCount())"
+        "rows = world().gather((local_rank(), d, cupy.cuda.runtime.getDevice(), cupy.cuda.runtime.getDeviceCount())); "
+        "[print('DEV', *r) for r in rows or []]"
     )
     for share_gpu in (True, False):
         rc, out, err, _ = launch([sys.executable, "-m", "mpi4py", "-c", show], share_gpu=share_gpu)
