@@ -6,7 +6,7 @@
 #   make test       every test this machine can run (GPU tests skip, saying why, without a GPU)
 #   make test-gpu   only the tests marked gpu
 #   make run        python -m epserve.main on NP ranks (default 2) under launch/run.py
-#   make bench      not there yet
+#   make bench      the benchmark on NP ranks: table on stdout, JSON and plots in BENCH_OUT
 #   make clean      remove .venv, caches and build outputs
 
 SHELL := /bin/bash
@@ -68,9 +68,12 @@ run: install
 	@$(RUN_ENV) $(PY) -m epserve.gpu_probe || { echo "make run: stopped; run it on a machine with NVIDIA Hopper GPUs" >&2; exit 1; }
 	$(RUN_ENV) $(PY) launch/run.py -n $(NP) -- $(PY) -m mpi4py -m epserve.main
 
-bench:
-	@echo "make bench: the benchmarks are not written yet" >&2
-	@exit 1
+# Where the benchmark writes bench.json and its plots.
+BENCH_OUT ?= results/h200x$(NP)
+
+bench: install
+	@$(RUN_ENV) $(PY) -m epserve.gpu_probe || { echo "make bench: stopped; run it on a machine with NVIDIA Hopper GPUs" >&2; exit 1; }
+	$(RUN_ENV) $(PY) launch/run.py -n $(NP) --timeout 1800 -- $(PY) -m mpi4py -m epserve.bench --out $(BENCH_OUT) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .cache build out

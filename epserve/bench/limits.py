@@ -1,0 +1,73 @@
+"""The hardware's limits, measured in the run that uses them: dense bf16 GEMM rate (cuBLAS),
+local device copy bandwidth (bytes read + written), and peer-store bandwidth over NVLink
+(a copy kernel storing into the next rank's IPC-mapped buffer, every rank at once)."""
+
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from .. import ops
+from ..arrays import BF16
+from .arithmetic import Rates
+from .cublas import gemm_nt
+
+
+def _median_ms(fn, warmup=3, iters=10) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return float(np.median(times))
+
+
+def gemm_rate(n: int = 8192) -> float:
+    a = cupy.random.standard_normal((n, n), dtype=np.float32).astype(BF16)
+    b = cupy.random.standard_normal((n, n), dtype=np.float32).astype(BF16)
+    c = cupy.empty((n, n), BF16)
+    ms = _median_ms(lambda: gemm_nt(a.data.ptr, b.data.ptr, c.data.ptr, n, n, n))
+    return 2.0 * n**3 / (ms / 1e3)
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    a = cupy.empty(nbytes, np.uint8)
+    b = cupy.empty(nbytes, np.uint8)
+    a.fill(1)
+    ms = _median_ms(lambda: b.__setitem__(Ellipsis, a))
+    return 2.0 * nbytes / (ms / 1e3)
+
+
+def peer_store_bandwidth(comm, peer_buffer, nbytes: int) -> float | None:
+    """Every rank stores `nbytes` into rank (r + 1)'s `peer_buffer` (a SymmetricBuffer) at
+    once; bytes per second in one direction. None with one rank or ranks sharing a GPU."""
+    world, rank = comm.Get_size(), comm.Get_rank()
+    if world == 1:
+        return None
+    nbytes = min(nbytes, peer_buffer.nbytes) // 4096 * 4096
+    src = cupy.empty(nbytes, np.uint8)
+    src.fill(3)
+    dst = peer_buffer.peer_ptr((rank + 1) % world)
+    rows = nbytes // 4096
+    comm.Barrier()
+    ms = _median_ms(lambda: ops.copy_rows(dst, src, None, None, rows, 4096))
+    cupy.cuda.runtime.deviceSynchronize()
+    comm.Barrier()  # nobody leaves while a peer still stores into its buffer
+    return nbytes / (ms / 1e3)
+
+
+def measure(comm, peer_buffer, shared_gpu: bool) -> Rates:
+    """All three limits, the slowest rank's. Where ranks share a GPU (or there is one rank)
+    there is no link: the peer rate is then the device copy rate, and the preamble says so."""
+    from mpi4py import MPI
+
+    copy = copy_bandwidth()
+    gemm = gemm_rate()
+    peer = None if shared_gpu else peer_store_bandwidth(comm, peer_buffer, 512 << 20)
+    gemm, copy, peer = (comm.allreduce(v, op=MPI.MIN) for v in (gemm, copy, peer or copy))
+    return Rates(gemm_flop_s=gemm, copy_bytes_s=copy, peer_bytes_s=peer)

@@ -1,0 +1,30 @@
+"""A short run of every benchmark preset at small sizes completes, writes its JSON and
+plots, and reports #wrong = 0 (issue 5)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from epserve.bench.presets import PRESETS
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
+
+
+def test_quick_bench_of_every_preset(tmp_path):
+    cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "-n", "2", "--share-gpu", "--timeout", "500", "--",
+           sys.executable, "-m", "mpi4py", "-m", "epserve.bench", "--quick", "--iters", "3", "--warmup", "1",
+           "--tokens", "16,64", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=560, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    assert "# total #wrong: 0" in proc.stdout
+    run = json.loads((tmp_path / "bench.json").read_text())
+    seen = {(r["preset"]["name"].split("/")[0], r["path"]) for r in run["rows"] if r["timing"] is not None}
+    for name in PRESETS:
+        for path in ("fused", "unfused", "library", "gemm2", "dispatch-direct", "layer-fused"):
+            assert (name, path) in seen, (name, path)
+    assert all((r["wrong"] or 0) == 0 for r in run["rows"])
+    assert len(list(tmp_path.glob("*.png"))) >= len(PRESETS) + 1
