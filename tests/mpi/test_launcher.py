@@ -138,8 +138,11 @@ def test_hang_is_ended_by_the_launcher_timeout():
 
 def test_ranks_get_the_launcher_environment():
     show = (
-        "import os; print('ENV', os.environ.get('NCCL_NVLS_ENABLE'), os.environ.get('PYTHONUNBUFFERED'), "
-        "os.environ.get('EPSERVE_DEVICE'), os.environ.get('PYTHONPATH', '').split(os.pathsep)[0])"
+        # one write per line: print() writes the text and the newline separately, and the
+        # two ranks' output would interleave between them
+        "import os, sys; sys.stdout.write(' '.join(['ENV', os.environ.get('NCCL_NVLS_ENABLE'), "
+        "os.environ.get('PYTHONUNBUFFERED'), os.environ.get('EPSERVE_DEVICE'), "
+        "os.environ.get('PYTHONPATH', '').split(os.pathsep)[0]]) + '\\n')"
     )
     rc, out, err, _ = launch([sys.executable, "-c", show], share_gpu=True)
     assert rc == 0, explain(rc, out, err)
