@@ -156,7 +156,8 @@ def bad_inputs(comm, svc, cfg, good, good_bits):
         "too many tokens": lambda: svc.forward(on_culprit(cupy.zeros((cfg.max_tokens_per_rank + 1, cfg.hidden), BF16),
                                                           x), idx, w, w13, w2),
         "topk_idx int64": lambda: svc.forward(x, on_culprit(idx.astype(np.int64), idx), w, w13, w2),
-        "w2 of the wrong shape": lambda: svc.forward(x, idx, w, w13, on_culprit(w2[:, :, :64], w2)),
+        "w2 of the wrong shape": lambda: svc.forward(x, idx, w, w13, on_culprit(
+            cupy.zeros((w2.shape[0], cfg.hidden, cfg.intermediate + 64), BF16), w2)),
         "unknown sink": lambda: svc.forward(x, idx, w, w13, w2, sink=on_culprit("bogus", "peer")),
         "expert id out of range (found on the device)": lambda: svc.forward(x, on_culprit(bad_id, idx), w, w13, w2),
     }
