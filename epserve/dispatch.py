@@ -13,8 +13,8 @@ import cupy
 
 from . import ops
 from .device_plan import DevicePlan
-from .nccl_transport import exchange_rows
 from .kernel_structs import pack_peer_pointers
+from .nccl_transport import exchange_rows
 
 
 class Dispatcher:

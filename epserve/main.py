@@ -19,6 +19,7 @@ import numpy as np
 
 from . import comm as ep_comm
 from .arrays import BF16
+from .bench.events import median_ms
 from .config import MoEConfig
 from .testing import routing
 
@@ -50,20 +51,6 @@ def reference_tokens(tokens, x, topk_idx, topk_weights, seed, hidden, intermedia
             g, u = h[:intermediate], h[intermediate:]
             out[n] += float(w[t, j]) * (w2.astype(np.float64) @ (g / (1 + cupy.exp(-g)) * u))
     return out
-
-
-def median_ms(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times))
 
 
 def main(argv=None) -> int:
@@ -150,7 +137,11 @@ def _mpi_max():
 
 
 def _link_bytes(comm, idx, E, world, H):
-    from .bench.arithmetic import combine_nvlink_bytes, count_routing, dispatch_nvlink_bytes
+    from .bench.arithmetic import (
+        combine_nvlink_bytes,
+        count_routing,
+        dispatch_nvlink_bytes,
+    )
 
     counts = count_routing(comm.allgather(idx), E)
     return {"dispatch": dispatch_nvlink_bytes(counts, H).busiest, "combine": combine_nvlink_bytes(counts, H).busiest}

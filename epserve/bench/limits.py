@@ -11,27 +11,14 @@ from .. import ops
 from ..arrays import BF16
 from .arithmetic import Rates
 from .cublas import gemm_nt
-
-
-def _median_ms(fn, warmup=3, iters=10) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times))
+from .events import median_ms
 
 
 def gemm_rate(n: int = 8192) -> float:
     a = cupy.random.standard_normal((n, n), dtype=np.float32).astype(BF16)
     b = cupy.random.standard_normal((n, n), dtype=np.float32).astype(BF16)
     c = cupy.empty((n, n), BF16)
-    ms = _median_ms(lambda: gemm_nt(a.data.ptr, b.data.ptr, c.data.ptr, n, n, n))
+    ms = median_ms(lambda: gemm_nt(a.data.ptr, b.data.ptr, c.data.ptr, n, n, n))
     return 2.0 * n**3 / (ms / 1e3)
 
 
@@ -39,7 +26,7 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     a = cupy.empty(nbytes, np.uint8)
     b = cupy.empty(nbytes, np.uint8)
     a.fill(1)
-    ms = _median_ms(lambda: b.__setitem__(Ellipsis, a))
+    ms = median_ms(lambda: b.__setitem__(Ellipsis, a))
     return 2.0 * nbytes / (ms / 1e3)
 
 
@@ -55,7 +42,7 @@ def peer_store_bandwidth(comm, peer_buffer, nbytes: int) -> float | None:
     dst = peer_buffer.peer_ptr((rank + 1) % world)
     rows = nbytes // 4096
     comm.Barrier()
-    ms = _median_ms(lambda: ops.copy_rows(dst, src, None, None, rows, 4096))
+    ms = median_ms(lambda: ops.copy_rows(dst, src, None, None, rows, 4096))
     cupy.cuda.runtime.deviceSynchronize()
     comm.Barrier()  # nobody leaves while a peer still stores into its buffer
     return nbytes / (ms / 1e3)

@@ -24,6 +24,7 @@ from .. import ops
 from ..arrays import BF16
 from . import arithmetic
 from .cublas import grouped_gemm_per_expert
+from .events import samples_ms
 
 PATHS = ("gemm2", "fused", "unfused", "library", "dispatch-direct", "dispatch-nccl", "layer-fused", "layer-unfused")
 UNFUSED, LIBRARY = "unfused", "library"
@@ -35,20 +36,6 @@ class PathResult:
     samples_ms: list       # this rank's per-iteration times
     work: arithmetic.Work
     wrong: int | None      # elements that disagree with the path's reference, None if it has none
-
-
-def timed(fn, warmup: int, iters: int) -> list:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(iters):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        samples.append(cupy.cuda.get_elapsed_time(start, stop))
-    return samples
 
 
 def bitwise_wrong(a, b) -> int:
@@ -117,7 +104,7 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
     samples = {}
     for path in PATHS:
         comm.Barrier()
-        samples[path] = timed(runs[path], warmup, iters)
+        samples[path] = samples_ms(runs[path], warmup, iters)
     svc.check()
 
     wrong = {

@@ -19,6 +19,7 @@ import time
 
 import cupy
 import numpy as np
+from job_report import report  # a sibling of this script
 
 from epserve import comm as ep_comm
 from epserve import ops
@@ -31,7 +32,6 @@ from epserve.peers import PeerGroup
 from epserve.reference import reference_layer, rel_error
 from epserve.signals import SignalBlock
 from epserve.testing import BF16, layer_inputs
-from job_report import report  # a sibling of this script
 
 POISON = 0xFFFF  # a bf16 NaN: no finite GEMM result has these bits
 

@@ -18,6 +18,7 @@ import sys
 
 import cupy
 import numpy as np
+from job_report import report  # a sibling of this script
 
 from epserve import EPService, MoEConfig
 from epserve import comm as ep_comm
@@ -25,7 +26,6 @@ from epserve.errors import EPServeError
 from epserve.layout import count_recv_rows
 from epserve.reference import reference_layer, rel_error
 from epserve.testing import BF16, layer_inputs
-from job_report import report  # a sibling of this script
 
 # name, H, I, E, k, token counts of successive calls (rank 0, rank 1), routing options
 SHAPES = [

@@ -17,6 +17,7 @@ from mpi4py import MPI
 
 from epserve import comm as ep_comm
 from epserve import ops
+from epserve.bench.events import median_ms
 from epserve.combine import Combiner
 from epserve.device_plan import DevicePlan
 from epserve.layout import plan_dispatch
@@ -24,21 +25,6 @@ from epserve.nccl_transport import gpus_shared, make_nccl
 from epserve.peers import PeerGroup
 from epserve.signals import SignalBlock
 from epserve.testing import BF16, routing
-
-
-def timed(fn, warmup: int, iters: int) -> float:
-    """Median milliseconds of fn() on the current stream."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times))
 
 
 def main():
@@ -94,7 +80,7 @@ def main():
     for name, fn in (("gemm2 null sink (C stored)", gemm_null), ("gemm2 peer sink gated off", gate_off),
                      ("unfused: gemm2 + " + transport + " + reduce", unfused), ("fused: gemm2 peer sink + reduce", fused)):
         comm.Barrier()
-        ms = timed(fn, 3, args.iters)
+        ms = median_ms(fn, 3, args.iters)
         results[name] = comm.allreduce(ms, op=MPI.MAX)
     comb.signals.raise_if_error(rank)
     cupy.cuda.runtime.deviceSynchronize()

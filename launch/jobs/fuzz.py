@@ -1,0 +1,204 @@
+"""Fuzz the layer over random cases (epserve/fuzz.py), run under the launcher:
+
+    python launch/run.py -n 2 [--share-gpu] -- python -m mpi4py launch/jobs/fuzz.py \\
+        --seed S --start I --count N [--share-gpu-ok]
+    python launch/jobs/fuzz.py --list --seed S --start I --count N [--world-size W]
+
+Every rank builds case i from (S, i) alone, so all ranks agree on it without a message. Per
+case: forward fused (peer sink, direct dispatch) and unfused (null sink, NCCL dispatch) into
+NaN-poisoned outputs; they must be bitwise equal, fully written, and within 1e-2 of the
+float64 reference. A failing case prints `FAIL case I: <what> -- replay: <command>` (rank 0)
+and the run goes on. Ends with `# fuzz: N cases, K wrong` and a `RESULT` line per rank;
+exits 1 if K > 0.
+
+Ranks sharing a GPU run the unfused baseline over the IPC copy, since NCCL refuses two ranks
+on one device; the job stops unless --share-gpu-ok says that baseline is what is wanted.
+`--list` prints the cases and their replay commands, touching neither GPU nor MPI (epserve
+must be importable: installed by `make install`, or PYTHONPATH=.).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from collections import OrderedDict
+
+import cupy
+import numpy as np
+from job_report import report  # a sibling of this script
+
+from epserve import EPService
+from epserve import comm as ep_comm
+from epserve.errors import EPServeError
+from epserve.fuzz import WAIT_TIMEOUT_S, generate
+from epserve.nccl_transport import gpus_shared
+from epserve.reference import reference_layer, rel_error
+from epserve.testing import BF16
+
+# Services kept open for reuse by later cases of the same config; each holds symmetric
+# buffers of up to tens of MiB, so the least recently used one is closed past this count.
+MAX_OPEN_SERVICES = 8
+REL_ERROR_LIMIT = 1e-2
+# A case takes well under a second and every device wait ends within WAIT_TIMEOUT_S, so a
+# case still running after this is hung: say which before the launcher's timeout kills it.
+HUNG_CASE_S = 3 * WAIT_TIMEOUT_S
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="launch/jobs/fuzz.py", description="Fuzz the layer over the random cases "
+                                "of epserve/fuzz.py.")
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--start", type=int, default=0, help="index of the first case")
+    p.add_argument("--count", type=int, required=True, help="number of cases")
+    p.add_argument("--share-gpu-ok", action="store_true",
+                   help="run even where ranks share a GPU (the unfused baseline is then the IPC copy, not NCCL)")
+    p.add_argument("--list", action="store_true", help="print the cases and their replay commands; no GPU, no MPI")
+    p.add_argument("--world-size", type=int, default=2, help="ranks to generate the cases for, with --list")
+    args = p.parse_args(argv)
+    if args.seed < 0 or args.start < 0 or args.count < 0:
+        p.error("--seed, --start and --count must be >= 0")
+    if args.world_size < 1:
+        p.error("--world-size must be >= 1")
+    return args
+
+
+def list_cases(args) -> int:
+    for i in range(args.start, args.start + args.count):
+        case = generate(args.seed, i, args.world_size)
+        print(f"case {i}: {case.describe()}")
+        print(f"  replay: {case.replay_command()}")
+    return 0
+
+
+def bits(a):
+    return cupy.asnumpy(a).view(np.uint16)
+
+
+def run_case(svc, case, rank) -> list[str]:
+    """This rank's failures on one case (empty when it passed)."""
+    inputs = case.inputs()
+    me = inputs[rank]
+    x, idx, w = cupy.asarray(me.x), cupy.asarray(me.topk_idx), cupy.asarray(me.topk_weights)
+    w13, w2 = cupy.asarray(me.w13), cupy.asarray(me.w2)
+    T, H = me.x.shape
+    # Poisoned, so an element the layer fails to write shows as NaN.
+    fused_out = cupy.full((T, H), np.nan, BF16)
+    unfused_out = cupy.full((T, H), np.nan, BF16)
+    fused = svc.forward(x, idx, w, w13, w2, sink="peer", dispatch="direct", out=fused_out)
+    unfused = svc.forward(x, idx, w, w13, w2, sink="null", dispatch="nccl", out=unfused_out)
+    svc.check()
+    failures = []
+    for label, got in (("fused", fused), ("unfused", unfused)):
+        if np.isnan(cupy.asnumpy(got).astype(np.float32)).any():
+            failures.append(f"{label} output has unwritten (poisoned) elements")
+    differ = int((bits(fused) != bits(unfused)).sum())
+    if differ:
+        failures.append(f"fused != unfused bitwise ({differ} of {T * H} elements)")
+    if T:
+        ref = reference_layer([i.x for i in inputs], [i.topk_idx for i in inputs], [i.topk_weights for i in inputs],
+                              [i.w13 for i in inputs], [i.w2 for i in inputs], case.num_experts)[rank]
+        err = rel_error(cupy.asnumpy(fused).astype(np.float64), ref["out"])
+        if not err < REL_ERROR_LIMIT:
+            failures.append(f"relative error {err:.3g} vs the float64 reference (limit {REL_ERROR_LIMIT:g})")
+    return failures
+
+
+class Services:
+    """EPServices by config, the least recently used closed past MAX_OPEN_SERVICES. Every
+    rank sees the same cases in the same order, so every rank opens and closes the same
+    service at the same point, as the collective constructor and close() need."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self._open = OrderedDict()
+
+    def get(self, config):
+        if config in self._open:
+            self._open.move_to_end(config)
+            return self._open[config]
+        if len(self._open) >= MAX_OPEN_SERVICES:
+            self._open.popitem(last=False)[1].close()
+        svc = self._open[config] = EPService(config, self.comm)
+        return svc
+
+    def discard(self, config) -> None:
+        """Close a service a failed call may have left out of step with its peers."""
+        svc = self._open.pop(config, None)
+        if svc is not None:
+            svc.close()
+
+    def close(self) -> None:
+        while self._open:
+            self._open.popitem(last=False)[1].close()
+
+
+def fuzz(args) -> int:
+    comm = ep_comm.world()
+    rank, world = comm.Get_rank(), comm.Get_size()
+    ep_comm.select_device(comm)
+    shared = gpus_shared(comm)
+    if shared and not args.share_gpu_ok:
+        if rank == 0:
+            print("fuzz: ranks share a GPU, so the unfused baseline would move rows by the IPC copy, not NCCL; "
+                  "pass --share-gpu-ok to run anyway", file=sys.stderr, flush=True)
+        return 2
+    if rank == 0:
+        print(f"# cases: {args.count}", flush=True)
+    services = Services(comm)
+    wrong, ran, fatal = 0, 0, None
+    start = time.monotonic()
+    for i in range(args.start, args.start + args.count):
+        case = generate(args.seed, i, world)
+        replay = case.replay_command(share_gpu=shared)
+        watchdog = threading.Timer(HUNG_CASE_S, print,
+                                   [f"# case {i} still running after {HUNG_CASE_S:g} s -- replay: {replay}"],
+                                   {"flush": True})
+        watchdog.daemon = True
+        if rank == 0:
+            watchdog.start()
+        error = None
+        try:
+            failures = run_case(services.get(case.config()), case, rank)
+        except Exception as exc:  # noqa: BLE001 - any failure of a case is reported, not fatal to the run
+            error = exc
+            failures = [f"{type(exc).__name__}: {exc}"]
+        watchdog.cancel()
+        ran += 1
+        # Every rank learns every rank's outcome, so all take the same next step together.
+        outcomes = comm.allgather((failures, error is not None, error is not None and
+                                   not isinstance(error, EPServeError)))
+        if any(f for f, _, _ in outcomes):
+            wrong += 1
+            if rank == 0:
+                what = "; ".join(f"rank {r}: {m}" for r, (f, _, _) in enumerate(outcomes) for m in f)
+                print(f"FAIL case {i}: {what} -- replay: {replay}", flush=True)
+        if any(raised_other for _, _, raised_other in outcomes):
+            # Not epserve's own error (a CUDA fault, say): the GPU context may be unusable,
+            # so later cases would only repeat it.
+            fatal = f"case {i} raised an error outside epserve; stopped after {ran} of {args.count} cases"
+            break
+        if any(raised for _, raised, _ in outcomes):
+            services.discard(case.config())
+    if fatal is None:
+        services.close()
+    elif rank == 0:
+        print(f"# fuzz: {fatal}", flush=True)
+    seconds = time.monotonic() - start
+    report(comm, dict(job="fuzz", rank=rank, seed=args.seed, start=args.start, cases=ran, wrong=wrong,
+                      shared_gpu=shared, seconds=round(seconds, 2)))
+    if rank == 0:
+        print(f"# fuzz: {ran} cases, {wrong} wrong", flush=True)
+    return 1 if wrong or fatal else 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.list:
+        return list_cases(args)
+    return fuzz(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
