@@ -8,7 +8,8 @@ from .build import load_module
 
 SINKS = {"null": "NullPeerSink", "peer": "EpPeerSink"}
 
-GEMM_SOURCE = "gemm/grouped_gemm.cu"
+GEMM_SOURCE = "gemm/grouped_gemm.cu"  # mma.sync + cp.async: any sm_80+ path, the reference of the two
+WGMMA_GEMM_SOURCE = "gemm/grouped_gemm_wgmma.cu"  # TMA + wgmma, warp-specialized: Hopper's fast path
 COMBINE_SOURCE = "comm/combine.cu"
 ROWS_SOURCE = "comm/rows.cu"
 SWIGLU_SOURCE = "ffn/swiglu.cu"
@@ -17,6 +18,7 @@ DISPATCH_SOURCE = "comm/dispatch.cu"
 # name -> (source, defines)
 VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     **{f"gemm_{sink}": (GEMM_SOURCE, {"EPSERVE_SINK": cls}) for sink, cls in SINKS.items()},
+    **{f"gemm_wgmma_{sink}": (WGMMA_GEMM_SOURCE, {"EPSERVE_SINK": cls}) for sink, cls in SINKS.items()},
     "combine": (COMBINE_SOURCE, {}),
     "rows": (ROWS_SOURCE, {}),
     "swiglu": (SWIGLU_SOURCE, {}),

@@ -5,11 +5,12 @@ input here (the service does that once, before any data moves); only internal in
 from __future__ import annotations
 
 import functools
+import os
 
 import cupy
 import numpy as np
 
-from . import kernels
+from . import kernels, tma
 from .kernel_structs import PEER_SEND_CONFIG
 
 NULL = np.uint64(0)
@@ -36,9 +37,12 @@ def _module_int(mod, name: str) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _gemm_kernel(sink: str, device: int):
-    mod = kernels.module(f"gemm_{sink}")
-    fn = mod.get_function("epserve_grouped_gemm")
+def _gemm_kernel(sink: str, impl: str, device: int):
+    if impl == "mma":
+        mod, name = kernels.module(f"gemm_{sink}"), "epserve_grouped_gemm"
+    else:
+        mod, name = kernels.module(f"gemm_wgmma_{sink}"), "epserve_grouped_gemm_wgmma"
+    fn = mod.get_function(name)
     smem = _module_int(mod, "epserve_gemm_smem_bytes")
     threads = _module_int(mod, "epserve_gemm_threads")
     fn.max_dynamic_shared_size_bytes = smem
@@ -48,18 +52,41 @@ def _gemm_kernel(sink: str, device: int):
 _NO_PEERS = np.zeros(1, PEER_SEND_CONFIG)  # what the null sink is given: it never reads it
 
 
-def grouped_gemm(sink: str, A, B, C, expert_offsets, num_experts: int, N: int, K: int, cfg=None, gate: int = 0) -> None:
-    """C[m] = A[m] @ B[e]^T per expert; `sink` "null" stores C, "peer" sends to recv (C may be None)."""
+GEMM_IMPLS = ("wgmma", "mma")
+
+
+def gemm_impl() -> str:
+    """Which grouped GEMM runs: $EPSERVE_GEMM, "mma" (mma.sync + cp.async) by default, or
+    "wgmma" (TMA + wgmma, warp-specialized; being validated)."""
+    impl = os.environ.get("EPSERVE_GEMM", "mma")
+    if impl not in GEMM_IMPLS:
+        raise ValueError(f"EPSERVE_GEMM must be one of {GEMM_IMPLS}, got {impl!r}")
+    return impl
+
+
+def grouped_gemm(sink: str, A, B, C, expert_offsets, num_experts: int, N: int, K: int, cfg=None, gate: int = 0,
+                 impl: str | None = None) -> None:
+    """C[m] = A[m] @ B[e]^T per expert; `sink` "null" stores C, "peer" sends to recv (C may be None).
+    A [M, K] and B [E, N, K] are CuPy bf16 arrays."""
     if cfg is None:
         assert sink == "null", "the peer sink needs its PeerSendConfig"
         cfg = _NO_PEERS
-    device = cupy.cuda.runtime.getDevice()
-    fn, smem, threads = _gemm_kernel(sink, device)
     assert K % 64 == 0 and N % 64 == 0, (N, K)
-    fn((_sm_count(device),), (threads,),
-       (_ptr(A), _ptr(B), _ptr(C), _ptr(expert_offsets), np.int32(num_experts), np.int32(N), np.int32(K), cfg,
-        np.int32(gate)),
-       shared_mem=smem)
+    device = cupy.cuda.runtime.getDevice()
+    impl = impl or gemm_impl()
+    fn, smem, threads = _gemm_kernel(sink, impl, device)
+    if impl == "mma":
+        args = (_ptr(A), _ptr(B), _ptr(C), _ptr(expert_offsets), np.int32(num_experts), np.int32(N), np.int32(K),
+                cfg, np.int32(gate))
+    else:
+        M = A.shape[0]
+        if M == 0:
+            return  # no rows, no tiles (and a tensor map cannot have an empty dimension)
+        map_a = tma.bf16_rows_map(A.data.ptr, M, K, box_rows=128)
+        map_b = tma.bf16_rows_map(B.data.ptr, num_experts * N, K, box_rows=256)
+        args = (map_a, map_b, _ptr(C), _ptr(expert_offsets), np.int32(num_experts), np.int32(N), np.int32(K), cfg,
+                np.int32(gate))
+    fn((_sm_count(device),), (threads,), args, shared_mem=smem)
 
 
 def swiglu(h, act, M: int, intermediate: int) -> None:

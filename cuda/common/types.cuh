@@ -6,6 +6,7 @@ typedef int int32_t;
 typedef unsigned short uint16_t;
 typedef unsigned long long uint64_t;
 typedef long long int64_t;
+typedef unsigned long long uintptr_t;
 
 // bf16 travels as its 16-bit storage; arithmetic happens in fp32.
 typedef uint16_t bf16_t;

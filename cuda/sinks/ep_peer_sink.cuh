@@ -10,11 +10,12 @@ struct EpPeerSink {
   static constexpr bool kEnabled = true;
   static constexpr int kSendWarps = 0;
 
-  template <int kNumThreads>
+  // kNumThreads threads call it together, synchronizing on named barrier kBarrierId.
+  template <int kNumThreads, int kBarrierId = 0>
   __device__ static void send_tile(const SmemTile& tile, uint32_t m_abs, uint32_t n_abs, uint32_t /*m_end*/,
                                    int32_t /*expert_id*/, const PeerSendConfig& cfg, int gate, int tid) {
     if (gate < 0) return;  // gate is uniform over the block, so the barriers inside stay matched
-    epserve::scatter_rows_to_peers<kNumThreads, 128>(tile.data, tile.ld, tile.rows, tile.cols,
+    epserve::scatter_rows_to_peers<kNumThreads, 128, kBarrierId>(tile.data, tile.ld, tile.rows, tile.cols,
                                                      static_cast<int>(m_abs), static_cast<int>(n_abs), cfg, tid);
   }
   __device__ static void service(const SmemTile&, int, int, const PeerSendConfig&) {}

@@ -8,7 +8,7 @@ struct NullPeerSink {
   static constexpr bool kEnabled = false;
   static constexpr int kSendWarps = 0;
 
-  template <int kNumThreads>
+  template <int kNumThreads, int kBarrierId = 0>
   __device__ static void send_tile(const SmemTile&, uint32_t, uint32_t, uint32_t, int32_t, const PeerSendConfig&,
                                    int, int) {}
   __device__ static void service(const SmemTile&, int, int, const PeerSendConfig&) {}

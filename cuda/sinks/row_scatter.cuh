@@ -18,10 +18,10 @@ __device__ __forceinline__ bool wait_peer_ready(const PeerSendConfig& cfg, int d
 
 // Scatters `rows` rows of `cols` columns (a multiple of 8), row r read from src + r * src_ld,
 // into recv[t, j, col0 : col0 + cols] of the row's home rank, where (rank, t, j) decodes
-// src_info[m0 + r]. Called by all kNumThreads threads of the block together (it contains
-// __syncthreads). Adds rows * cols / 64 to each destination's arrival counter after a
+// src_info[m0 + r]. Called by kNumThreads threads together, which synchronize on named
+// barrier kBarrierId (0: the whole block). Adds rows * cols / 64 to each destination's arrival counter after a
 // system-scope release, so a receiver that counts 64-column units knows when it has all.
-template <int kNumThreads, int kMaxRows>
+template <int kNumThreads, int kMaxRows, int kBarrierId = 0>
 __device__ void scatter_rows_to_peers(const bf16_t* src, int src_ld, int rows, int cols, int m0, int col0,
                                       const PeerSendConfig& cfg, int tid) {
   __shared__ long long row_dst[kMaxRows];  // element offset of the row's slot start, or -1
@@ -30,7 +30,7 @@ __device__ void scatter_rows_to_peers(const bf16_t* src, int src_ld, int rows, i
   __shared__ int rank_ok[EPSERVE_MAX_PEERS];
 
   if (tid < EPSERVE_MAX_PEERS) rank_rows[tid] = 0;
-  __syncthreads();
+  named_barrier_sync<kBarrierId, kNumThreads>();
   for (int r = tid; r < rows; r += kNumThreads) {
     const int info = cfg.src_info[m0 + r];
     const RowSource s = decode_src_info(info);
@@ -43,9 +43,9 @@ __device__ void scatter_rows_to_peers(const bf16_t* src, int src_ld, int rows, i
     row_rank[r] = s.rank;
     atomicAdd(&rank_rows[s.rank], 1u);
   }
-  __syncthreads();
+  named_barrier_sync<kBarrierId, kNumThreads>();
   if (tid < cfg.world) rank_ok[tid] = rank_rows[tid] == 0 || wait_peer_ready(cfg, tid);
-  __syncthreads();
+  named_barrier_sync<kBarrierId, kNumThreads>();
 
   const int chunks_per_row = cols / 8;
   for (int c = tid; c < rows * chunks_per_row; c += kNumThreads) {
@@ -57,10 +57,10 @@ __device__ void scatter_rows_to_peers(const bf16_t* src, int src_ld, int rows, i
     st_v4(cfg.recv[row_rank[r]] + dst + k8, v);
   }
   fence_acq_rel_sys();
-  __syncthreads();
+  named_barrier_sync<kBarrierId, kNumThreads>();
   if (tid < cfg.world && rank_rows[tid] > 0 && rank_ok[tid])
     red_release_sys_add(cfg.arrive[tid], static_cast<unsigned long long>(rank_rows[tid]) * (cols / 64));
-  __syncthreads();  // the shared tables are rewritten by the next call
+  named_barrier_sync<kBarrierId, kNumThreads>();  // the shared tables are rewritten by the next call
 }
 
 }  // namespace epserve

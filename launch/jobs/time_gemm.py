@@ -2,9 +2,9 @@
 
     python launch/jobs/time_gemm.py [--rows 32768] [--experts 128]
 
-GEMM 1 (N = 2I, K = H) and GEMM 2 (N = H, K = I), rows spread evenly over the experts, both
-sinks' builds of ours (the peer build gated off) and cuBLAS; CUDA-event medians, TFLOP/s,
-and the largest difference from cuBLAS. One process: no communication in the numbers."""
+GEMM 1 (N = 2I, K = H) and GEMM 2 (N = H, K = I), rows spread evenly over the experts: our
+two kernels (the wgmma one also in its peer build, gated off) and cuBLAS; CUDA-event
+medians, TFLOP/s, and the largest difference of the wgmma output from cuBLAS's. One process: no communication in the numbers."""
 
 from __future__ import annotations
 
@@ -52,8 +52,10 @@ def grouped(rs, name, M, N, K, E, offsets, offsets_host):
     gated_off = np.zeros(1, PEER_SEND_CONFIG)
     flops = 2.0 * M * N * K
     runs = {
-        "epserve (null sink)": lambda: ops.grouped_gemm("null", A, B, C_ours, offsets, E, N, K),
-        "epserve (peer, gated)": lambda: ops.grouped_gemm("peer", A, B, None, offsets, E, N, K, gated_off, -1),
+        "mma (null sink)": lambda: ops.grouped_gemm("null", A, B, C_ours, offsets, E, N, K, impl="mma"),
+        "wgmma (peer, gated)": lambda: ops.grouped_gemm("peer", A, B, None, offsets, E, N, K, gated_off, -1,
+                                                        impl="wgmma"),
+        "wgmma (null sink)": lambda: ops.grouped_gemm("null", A, B, C_ours, offsets, E, N, K, impl="wgmma"),
         "cuBLAS per expert": lambda: grouped_gemm_per_expert(A, B, C_lib, offsets_host),
     }
     for path, fn in runs.items():

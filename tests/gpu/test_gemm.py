@@ -17,14 +17,16 @@ def grouped_reference(A, B, offsets):
     return out
 
 
+@pytest.mark.parametrize("impl", ["mma", "wgmma"])
 @pytest.mark.parametrize("rows_per_expert,N,K", [
     ([128, 0, 300, 1], 256, 128),        # empty expert, one-row expert, partial tiles
     ([5], 64, 64),                       # one half-filled column tile
     ([0, 0, 0], 128, 64),                # no rows at all
     ([1000, 17, 129, 0, 512], 192, 512), # N not a multiple of 128
     ([2049, 3000], 1024, 2048),          # several k-slices and many tiles per CTA
+    ([300] * 40, 320, 256),              # more tiles than SMs: the persistent loop wraps
 ])
-def test_grouped_gemm_matches_float64(rows_per_expert, N, K):
+def test_grouped_gemm_matches_float64(rows_per_expert, N, K, impl):
     import cupy
 
     from epserve import ops
@@ -35,7 +37,7 @@ def test_grouped_gemm_matches_float64(rows_per_expert, N, K):
     A = rng.standard_normal((M, K), np.float32).astype(BF16)
     B = (rng.standard_normal((E, N, K), np.float32) / np.sqrt(K)).astype(BF16)
     C = cupy.full((M + 7, N), np.nan, BF16)  # poisoned, with guard rows past M
-    ops.grouped_gemm("null", cupy.asarray(A), cupy.asarray(B), C, cupy.asarray(offsets), E, N, K)
+    ops.grouped_gemm("null", cupy.asarray(A), cupy.asarray(B), C, cupy.asarray(offsets), E, N, K, impl=impl)
     got = cupy.asnumpy(C).astype(np.float64)
     assert np.isnan(got[M:]).all(), "the GEMM wrote past its last row"
     ref = grouped_reference(A, B, offsets)
@@ -46,7 +48,7 @@ def test_grouped_gemm_matches_float64(rows_per_expert, N, K):
         # bf16 rounding of the output alone bounds each element's error
         assert np.allclose(got[:M], ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
     again = cupy.full((M + 7, N), np.nan, BF16)
-    ops.grouped_gemm("null", cupy.asarray(A), cupy.asarray(B), again, cupy.asarray(offsets), E, N, K)
+    ops.grouped_gemm("null", cupy.asarray(A), cupy.asarray(B), again, cupy.asarray(offsets), E, N, K, impl=impl)
     assert np.array_equal(cupy.asnumpy(again).view(np.uint16)[:M], cupy.asnumpy(C).view(np.uint16)[:M])
 
 
@@ -83,7 +85,8 @@ def test_copy_rows_gathers_and_scatters():
     assert np.array_equal(cupy.asnumpy(back), src)
 
 
-@pytest.mark.parametrize("name", ["gemm_null", "gemm_peer", "combine", "rows", "swiglu"])
+@pytest.mark.parametrize("name", ["gemm_null", "gemm_peer", "gemm_wgmma_null", "gemm_wgmma_peer", "combine", "rows",
+                                  "swiglu", "dispatch"])
 def test_every_module_loads_on_the_gpu(name):
     from epserve import kernels
 
