@@ -6,7 +6,12 @@
 // home and C may be null).
 //
 // Tile 128 x 256 x 64: consumer warpgroup w computes rows 64w..64w+63 of the tile with
-// wgmma m64n256k16. A and B arrive through 2-D tensor maps (box 64 x 128 over A [M, K],
+// wgmma m64n256k16. The third warpgroup is the producer: its first warp issues the TMA
+// loads, and with a sink that asks for send warps (EpPeerSink: 3) the other three scatter
+// each finished tile while the consumers go on with the next tile's mainloop (the hand-over
+// protocol is in sinks/ep_peer_sink.cuh). Three warpgroups keep the kernel's register cap at
+// 168, which the 128 accumulators of m64n256 need; setmaxnreg then moves registers from
+// the producer warpgroup to the consumers. A and B arrive through 2-D tensor maps (box 64 x 128 over A [M, K],
 // 64 x 256 over B viewed as [E * N, K]) with 128-byte swizzle; rows past the end of A read
 // as zeros, rows of the next expert's weights past N compute columns the store masks.
 #include "common/bf16.cuh"
@@ -25,14 +30,21 @@ namespace {
 using Sink = EPSERVE_SINK;
 using namespace epserve;
 constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 3;
-constexpr int kConsumers = 2, kThreads = 128 * (kConsumers + 1), kConsumerThreads = 128 * kConsumers;
+constexpr int kConsumers = 2, kConsumerThreads = 128 * kConsumers;
+constexpr int kThreads = 128 * (kConsumers + 1);
+constexpr int kProducerWarpgroup = kConsumers;
+constexpr bool kSendWarps = Sink::kSendWarps > 0;
+// 64K registers per SM: the producer warpgroup needs few, the consumers hold 128 fp32
+// accumulators each.
+constexpr int kLightRegs = 40, kConsumerRegs = 232;
+static_assert(kConsumers * 128 * kConsumerRegs + 128 * kLightRegs <= 65536, "registers");
+static_assert(Sink::kSendWarps <= 3, "the send warps share the producer warpgroup with the TMA warp");
 constexpr int kStageA = kBM * kBK * 2, kStageB = kBN * kBK * 2;  // bytes
 constexpr int kTileLd = kBN + 8;  // 16 bytes of padding per row keep the epilogue's writes conflict-free
 constexpr int kTileBytes = kBM * kTileLd * 2;
 constexpr int kSmemBytes = 1024 /* alignment slack */ + kStages * (kStageA + kStageB) + kTileBytes + 2 * kStages * 8;
 constexpr int kEpilogueBarrier = 1;  // named barrier of the consumer warpgroups
 using Scheduler = GroupedTileScheduler<kBM, kBN>;
-static_assert(Sink::kSendWarps == 0, "this GEMM sends from its consumer warpgroups");
 
 struct alignas(64) TensorMap {
   unsigned long long opaque[16];
@@ -50,6 +62,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   __shared__ int mtile_prefix[EPSERVE_MAX_LOCAL_EXPERTS + 1];
   __shared__ int offsets[EPSERVE_MAX_LOCAL_EXPERTS + 1];
+  __shared__ SendMailbox mailbox;
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   unsigned char* ring_a = smem;
   unsigned char* ring_b = ring_a + kStages * kStageA;
@@ -70,9 +83,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const int k_slices = K / kBK;
   const int warpgroup = threadIdx.x / 128;
 
-  if (warpgroup == kConsumers) {
+  if (warpgroup == kProducerWarpgroup) {
+    setmaxnreg_dec<kLightRegs>();
+    const int warp = (threadIdx.x % 128) / 32;
+    if (kSendWarps && warp >= 1 && warp <= Sink::kSendWarps && gate >= 0)
+      Sink::template service<kConsumerThreads>(SmemTile{out_tile, kTileLd, 0, 0}, &mailbox, cfg, threadIdx.x % 128 - 32);
     // Producer: one thread keeps the ring full, tile after tile.
-    setmaxnreg_dec<40>();
     if (threadIdx.x % 128 == 0) {
       int stage = 0;
       uint32_t phase = 0;
@@ -91,12 +107,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   } else {
-    setmaxnreg_inc<232>();
+    setmaxnreg_inc<kConsumerRegs>();
     const int tid = threadIdx.x;  // 0 .. kConsumerThreads - 1
     const int lane = tid % 32, warp = (tid % 128) / 32;
     int stage = 0;
     uint32_t phase = 0;
     float acc[128];
+    bool send_pending = false;
     for (int index = blockIdx.x; index < sched.total_tiles; index += gridDim.x) {
       const GroupedTile t = sched.tile(index);
 #pragma unroll
@@ -120,6 +137,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         }
       }
 
+      if constexpr (kSendWarps) {
+        if (gate < 0) continue;  // the peer sink gated off: the math alone
+        if (send_pending) Sink::template drain<kConsumerThreads>();  // the send warps are done with the last tile
+      }
       // Accumulators -> bf16 -> the shared output tile. n8 block j of this thread: values
       // 4j, 4j+1 at (row g, cols 8j + 2q, +1), 4j+2, 4j+3 at row g + 8.
       const int row = warpgroup * 64 + warp * 16 + lane / 4;
@@ -133,7 +154,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       named_barrier_sync<kEpilogueBarrier, kConsumerThreads>();
       const int rows = min(kBM, t.m_end - t.m_abs);
       const int cols = min(kBN, N - t.n_abs);
-      if constexpr (Sink::kEnabled) {
+      if constexpr (kSendWarps) {
+        Sink::template hand_over<kConsumerThreads>(&mailbox, SmemTile{out_tile, kTileLd, rows, cols}, t.m_abs, t.n_abs,
+                                                   tid);
+        send_pending = true;
+        continue;  // the send warps own the tile until the next drain
+      } else if constexpr (Sink::kEnabled) {
         const SmemTile tile{out_tile, kTileLd, rows, cols};
         Sink::template send_tile<kConsumerThreads, kEpilogueBarrier>(tile, t.m_abs, t.n_abs, t.m_end, t.expert, cfg,
                                                                      gate, tid);
@@ -146,6 +172,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       named_barrier_sync<kEpilogueBarrier, kConsumerThreads>();  // the tile is rewritten by the next epilogue
+    }
+    if constexpr (kSendWarps) {
+      if (gate >= 0) Sink::template shutdown<kConsumerThreads>(&mailbox, send_pending, tid);
     }
   }
 }

@@ -4,6 +4,8 @@
 #include "sinks/peer_send_config.cuh"
 #include "sinks/smem_tile.cuh"
 
+struct SendMailbox;
+
 struct NullPeerSink {
   static constexpr bool kEnabled = false;
   static constexpr int kSendWarps = 0;
@@ -11,7 +13,12 @@ struct NullPeerSink {
   template <int kNumThreads, int kBarrierId = 0>
   __device__ static void send_tile(const SmemTile&, uint32_t, uint32_t, uint32_t, int32_t, const PeerSendConfig&,
                                    int, int) {}
-  __device__ static void service(const SmemTile&, int, int, const PeerSendConfig&) {}
-  __device__ static void drain(int, const PeerSendConfig&) {}
-  __device__ static void shutdown(int, const PeerSendConfig&, bool) {}
+  template <int kOutputThreads>
+  __device__ static void hand_over(SendMailbox*, const SmemTile&, int, int, int) {}
+  template <int kOutputThreads>
+  __device__ static void drain() {}
+  template <int kOutputThreads>
+  __device__ static void service(const SmemTile&, const SendMailbox*, const PeerSendConfig&, int) {}
+  template <int kOutputThreads>
+  __device__ static void shutdown(SendMailbox*, bool, int) {}
 };
