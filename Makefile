@@ -7,6 +7,10 @@
 #   make test-gpu   only the tests marked gpu
 #   make run        python -m epserve.main on NP ranks (default 2) under launch/run.py
 #   make bench      the benchmark on NP ranks: table on stdout, JSON and plots in BENCH_OUT
+#   make fuzz       random layers, fused == unfused bitwise and float64 reference (SEED, COUNT)
+#   make soak       CALLS back-to-back forward calls on one service: same bits, no memory growth
+#   make dead-peer  a killed and a stuck rank: the others raise naming the peer and the stage
+#   make sanitize   compute-sanitizer (SANITIZE_TOOLS) over a short two-rank job, both sinks
 #   make clean      remove .venv, caches and build outputs
 
 SHELL := /bin/bash
@@ -34,7 +38,7 @@ PY := $(VENV)/bin/python
 RUN_ENV := PATH="$(CURDIR)/$(VENV)/bin:$$PATH"
 endif
 
-.PHONY: install test test-gpu run bench clean
+.PHONY: install test test-gpu run bench fuzz soak dead-peer sanitize clean
 
 ifeq ($(SYSTEM_READY),yes)
 install:
@@ -74,6 +78,31 @@ BENCH_OUT ?= results/h200x$(NP)
 bench: install
 	@$(RUN_ENV) $(PY) -m epserve.gpu_probe || { echo "make bench: stopped; run it on a machine with NVIDIA Hopper GPUs" >&2; exit 1; }
 	$(RUN_ENV) $(PY) launch/run.py -n $(NP) --timeout 1800 -- $(PY) -m mpi4py -m epserve.bench --out $(BENCH_OUT) $(BENCH_ARGS)
+
+SEED ?= 1
+COUNT ?= 500
+CALLS ?= 1000
+SANITIZE_TOOLS ?= memcheck racecheck synccheck initcheck
+
+fuzz: install
+	@$(RUN_ENV) $(PY) -m epserve.gpu_probe || { echo "make fuzz: stopped; run it on a machine with NVIDIA Hopper GPUs" >&2; exit 1; }
+	$(RUN_ENV) $(PY) launch/run.py -n $(NP) --timeout 3600 -- $(PY) -m mpi4py launch/jobs/fuzz.py --seed $(SEED) --start 0 --count $(COUNT) --share-gpu-ok
+
+soak: install
+	@$(RUN_ENV) $(PY) -m epserve.gpu_probe || { echo "make soak: stopped; run it on a machine with NVIDIA Hopper GPUs" >&2; exit 1; }
+	$(RUN_ENV) $(PY) launch/run.py -n $(NP) --timeout 1800 -- $(PY) -m mpi4py launch/jobs/soak.py --calls $(CALLS)
+
+dead-peer: install
+	$(RUN_ENV) $(PY) -m pytest -q -rs -m gpu tests/gpu/test_reliability.py -k peer
+
+# Each tool on a short two-rank job (both sinks). memcheck needs --report-api-errors no: a
+# loaded library probes driver symbols with cuGetProcAddress, and each refusal would count.
+sanitize: install
+	@command -v compute-sanitizer >/dev/null || { echo "make sanitize: compute-sanitizer is not on PATH (CUDA toolkit, e.g. /usr/local/cuda/bin)" >&2; exit 1; }
+	@status=0; for tool in $(SANITIZE_TOOLS); do \
+		echo "== compute-sanitizer --tool $$tool"; \
+		$(RUN_ENV) $(PY) launch/run.py -n 2 --share-gpu --timeout 600 -- compute-sanitizer --tool $$tool --report-api-errors no --error-exitcode 9 $(abspath $(shell command -v $(PY))) -m mpi4py launch/jobs/sanitize_job.py || { echo "== $$tool: exit $$?"; status=1; }; \
+	done; exit $$status
 
 clean:
 	rm -rf $(VENV) .pytest_cache .cache build out

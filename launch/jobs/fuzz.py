@@ -8,8 +8,9 @@ Every rank builds case i from (S, i) alone, so all ranks agree on it without a m
 case: forward fused (peer sink, direct dispatch) and unfused (null sink, NCCL dispatch) into
 NaN-poisoned outputs; they must be bitwise equal, fully written, and within 1e-2 of the
 float64 reference. A failing case prints `FAIL case I: <what> -- replay: <command>` (rank 0)
-and the run goes on. Ends with `# fuzz: N cases, K wrong` and a `RESULT` line per rank;
-exits 1 if K > 0.
+and the run goes on, except after an error from outside epserve (a CUDA fault), which may
+leave the GPU unusable and ends the run. Ends with `# fuzz: N cases, K wrong` and a `RESULT`
+line per rank; exits 1 if K > 0 or the run ended early, 2 on a refused setting.
 
 Ranks sharing a GPU run the unfused baseline over the IPC copy, since NCCL refuses two ranks
 on one device; the job stops unless --share-gpu-ok says that baseline is what is wanted.
@@ -134,6 +135,15 @@ class Services:
             self._open.popitem(last=False)[1].close()
 
 
+def start_watchdog(index: int, replay: str) -> threading.Timer:
+    """Names the case if it is still running after HUNG_CASE_S; cancel it when the case ends."""
+    timer = threading.Timer(HUNG_CASE_S, print, [f"# case {index} still running after {HUNG_CASE_S:g} s -- "
+                                                 f"replay: {replay}"], {"flush": True})
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 def fuzz(args) -> int:
     comm = ep_comm.world()
     rank, world = comm.Get_rank(), comm.Get_size()
@@ -152,34 +162,30 @@ def fuzz(args) -> int:
     for i in range(args.start, args.start + args.count):
         case = generate(args.seed, i, world)
         replay = case.replay_command(share_gpu=shared)
-        watchdog = threading.Timer(HUNG_CASE_S, print,
-                                   [f"# case {i} still running after {HUNG_CASE_S:g} s -- replay: {replay}"],
-                                   {"flush": True})
-        watchdog.daemon = True
-        if rank == 0:
-            watchdog.start()
+        watchdog = start_watchdog(i, replay) if rank == 0 else None
         error = None
         try:
             failures = run_case(services.get(case.config()), case, rank)
         except Exception as exc:  # noqa: BLE001 - any failure of a case is reported, not fatal to the run
             error = exc
             failures = [f"{type(exc).__name__}: {exc}"]
-        watchdog.cancel()
+        if watchdog is not None:
+            watchdog.cancel()
         ran += 1
         # Every rank learns every rank's outcome, so all take the same next step together.
-        outcomes = comm.allgather((failures, error is not None, error is not None and
-                                   not isinstance(error, EPServeError)))
-        if any(f for f, _, _ in outcomes):
+        outcomes = comm.allgather({"failures": failures, "raised": error is not None,
+                                   "foreign": error is not None and not isinstance(error, EPServeError)})
+        if any(o["failures"] for o in outcomes):
             wrong += 1
             if rank == 0:
-                what = "; ".join(f"rank {r}: {m}" for r, (f, _, _) in enumerate(outcomes) for m in f)
+                what = "; ".join(f"rank {r}: {m}" for r, o in enumerate(outcomes) for m in o["failures"])
                 print(f"FAIL case {i}: {what} -- replay: {replay}", flush=True)
-        if any(raised_other for _, _, raised_other in outcomes):
+        if any(o["foreign"] for o in outcomes):
             # Not epserve's own error (a CUDA fault, say): the GPU context may be unusable,
             # so later cases would only repeat it.
             fatal = f"case {i} raised an error outside epserve; stopped after {ran} of {args.count} cases"
             break
-        if any(raised for _, raised, _ in outcomes):
+        if any(o["raised"] for o in outcomes):
             services.discard(case.config())
     if fatal is None:
         services.close()

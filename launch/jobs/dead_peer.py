@@ -1,0 +1,116 @@
+"""A dead peer: rank 0 must get a clear error within wait_timeout_s, never hang. Run under the
+launcher on two ranks:
+
+    python launch/run.py -n 2 [--share-gpu] --timeout 120 -- python -m mpi4py launch/jobs/dead_peer.py {killed|stuck}
+
+Both ranks warm up with one full forward (so kernel loading and first-call costs stay out of
+the timing), then dispatch the next call's tokens together. Then rank 1 stops right before
+its combine sends:
+  killed  rank 1 exits at once with os._exit(3)
+  stuck   rank 1 sleeps forever
+while rank 0 runs its expert FFN with the peer sink, whose combine waits for rows rank 1
+never sends. Rank 0 prints `rank 0: <ExceptionClass>: <message>` and
+`# dead_peer: mode M, peer 1, <ExceptionClass> after S s (wait_timeout_s T)`, and exits 1,
+which makes `python -m mpi4py` abort the job. The job exits non-zero in every mode: it lost
+a rank. Rank 1 prints `# rank 1: stopping (mode M) at monotonic S` as it stops
+(CLOCK_MONOTONIC is one clock for the whole host, so a test can time the rest of the job
+from it).
+
+Why rank 0 calls svc._expert_ffn and not forward or expert_ffn: both of those begin with an
+MPI input verdict, an allgather that a stopped rank never joins, so rank 0 would hang in MPI
+and never reach the device-side wait this job is about. _expert_ffn is the same work without
+the verdict. The direct dispatch before it checks its inputs on the device, with no MPI call.
+
+Killed mode and the MPI launcher: Hydra and Open MPI end the whole job as soon as one rank
+exits without MPI_Finalize (on an H200 host, Open MPI 4.1.6 ended it, status 3, within 3 s
+of start), so under them the launcher, not rank 0's device wait, ends this mode. To let rank
+0 meet a peer whose process is gone, turn that cleanup off: `mpiexec -disable-auto-cleanup`
+(Hydra) or `mpirun --mca orte_abort_on_non_zero_status 0` (Open MPI 4); rank 0 then raised
+PeerTimeoutError after 5.00 s there (tests/gpu/test_reliability.py runs it so). Stuck mode
+is the one that only the device-side bound can catch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import cupy
+
+from epserve import EPService, MoEConfig
+from epserve import comm as ep_comm
+from epserve.layout import count_recv_rows
+from epserve.testing import layer_inputs
+
+MODES = ("killed", "stuck")
+DEAD_RANK = 1
+WAIT_TIMEOUT_S = 5.0
+KILLED_EXIT = 3
+E_LOC, TOP_K, HIDDEN, INTERMEDIATE, TOKENS = 4, 2, 256, 128, 64
+SEED = 61
+
+
+def emit(line: str) -> None:
+    # One write per line, so the other rank's output cannot land inside it.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def stop(mode: str) -> None:
+    emit(f"# rank {DEAD_RANK}: stopping (mode {mode}) at monotonic {time.monotonic():.3f}")
+    if mode == "killed":
+        os._exit(KILLED_EXIT)
+    while True:
+        time.sleep(3600)
+
+
+def main():
+    p = argparse.ArgumentParser(prog="launch/jobs/dead_peer.py")
+    p.add_argument("mode", choices=MODES)
+    mode = p.parse_args().mode
+    comm = ep_comm.world()
+    rank, world = comm.Get_rank(), comm.Get_size()
+    if world != 2:
+        if rank == 0:
+            emit(f"dead_peer: needs exactly 2 ranks, got {world}")
+        return 2
+    E = E_LOC * world
+    everyone = layer_inputs(SEED, [TOKENS] * world, E, TOP_K, HIDDEN, INTERMEDIATE)
+    owed = count_recv_rows(DEAD_RANK, [everyone[0].topk_idx, everyone[1].topk_idx[:0]], E, world)
+    if owed == 0:
+        raise RuntimeError(f"rank 0 routes nothing to rank {DEAD_RANK}'s experts, so nothing would wait for it; "
+                           f"pick another SEED")
+    cfg = MoEConfig(E, TOP_K, HIDDEN, INTERMEDIATE, TOKENS, world_size=world, wait_timeout_s=WAIT_TIMEOUT_S)
+    svc = EPService(cfg, comm)
+    me = everyone[rank]
+    x, idx, w, w13, w2 = (cupy.asarray(a) for a in (me.x, me.topk_idx, me.topk_weights, me.w13, me.w2))
+    svc.forward(x, idx, w, w13, w2)
+    svc.check()
+    dispatched = svc.dispatch(x, idx, w, transport="direct")
+    # This rank's dispatch sends have landed before it stops, and both ranks got this far:
+    # what rank 0 waits for next is only the combine rows.
+    cupy.cuda.runtime.deviceSynchronize()
+    comm.Barrier()
+    if rank == DEAD_RANK:
+        stop(mode)
+    emit(f"# rank 0: combine expects {owed} rows from rank {DEAD_RANK}; running the expert FFN (peer sink)")
+    start = time.monotonic()
+    try:
+        svc._expert_ffn(dispatched, w13, w2, "peer", None, 0)
+        svc.check()
+    except Exception as exc:  # noqa: BLE001 - whatever it is, it is the outcome this job reports
+        seconds = time.monotonic() - start
+        emit(f"rank 0: {type(exc).__name__}: {exc}")
+        emit(f"# dead_peer: mode {mode}, peer {DEAD_RANK}, {type(exc).__name__} after {seconds:.2f} s "
+             f"(wait_timeout_s {WAIT_TIMEOUT_S:g})")
+        # No svc.close(): its barriers would wait for the stopped rank forever.
+        return 1
+    emit(f"rank 0: WRONG: no error although rank {DEAD_RANK} never sent its rows "
+         f"({time.monotonic() - start:.2f} s)")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
