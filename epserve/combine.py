@@ -22,13 +22,14 @@ from .nccl_transport import exchange_rows
 
 
 class Combiner:
-    def __init__(self, group, signals, *, top_k: int, hidden: int, max_tokens: int, wait_timeout_s: float,
-                 transport: str, nccl_comm=None, dtype=None):
+    def __init__(self, group, signals, *, num_experts: int, top_k: int, hidden: int, max_tokens: int,
+                 wait_timeout_s: float, transport: str, nccl_comm=None, dtype=None):
         if transport not in ("nccl", "ipc"):
             raise ValueError(f"unknown combine transport {transport!r}")
         self.group = group
         self.rank, self.world = group.rank, group.world
         self.top_k, self.hidden, self.max_tokens = top_k, hidden, max_tokens
+        self.experts_per_rank = num_experts // self.world
         self.timeout_ns = int(wait_timeout_s * 1e9)
         self.transport = transport
         self.nccl = nccl_comm
@@ -85,9 +86,10 @@ class Combiner:
             out = cupy.empty((T, self.hidden), self.dtype)
         s = self.signals
         if wait:
-            ops.combine_arm(topk_idx, T, self.top_k, self.hidden // 64, s.expected_ptr)
-        ops.combine_reduce(self.recv, topk_idx, topk_weights, out, T, self.top_k, self.hidden, s.arrive_ptr,
-                           s.expected_ptr, s.error_ptr, self.timeout_ns, wait)
+            ops.combine_arm(topk_idx, T, self.top_k, self.experts_per_rank, self.world, self.hidden // 64,
+                            s.expected_ptr)
+        ops.combine_reduce(self.recv, topk_idx, topk_weights, out, T, self.top_k, self.hidden, self.world,
+                           s.arrive_ptr, s.expected_ptr, s.error_ptr, self.timeout_ns, wait)
         if release:
             self.release()
         return out

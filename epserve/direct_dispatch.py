@@ -99,7 +99,7 @@ class DirectDispatcher:
         try:
             self._verdict(summary, input_error)
         except BaseException:
-            self._release((1,), (32,), (cfg, self._summary, np.int32(0)))
+            self._release((1,), (32,), (cfg, np.int32(0)))
             raise
         M = int(summary[self.rank])
         rows = cupy.empty((M, self.H), self.dtype)
@@ -109,8 +109,8 @@ class DirectDispatcher:
             self._send((grid,), (256,), (x, np.int32(T), topk_idx, self._tok_pos, self._slot_rank, cfg))
         arrivals = int(summary[2 * self.world])
         grid = max(1, min(self._sms * 4, (arrivals + 7) // 8))
-        self._expand((grid,), (256,), (cfg, self._base, self._summary, rows, src_info))
-        self._release((1,), (32,), (cfg, self._summary, np.int32(1)))
+        self._expand((grid,), (256,), (cfg, self._base, rows, src_info))
+        self._release((1,), (32,), (cfg, np.int32(1)))
         return Dispatched(rows, expert_offsets, src_info, M)
 
     def _read_summary(self) -> np.ndarray:

@@ -127,18 +127,21 @@ def push_rows_to_peers(C, M: int, H: int, cfg) -> None:
     fn((blocks,), (256,), (_ptr(C), np.int32(M), np.int32(H), cfg))
 
 
-def combine_arm(topk_idx, T: int, k: int, units_per_slot: int, expected_ptr: int) -> None:
+def combine_arm(topk_idx, T: int, k: int, experts_per_rank: int, world: int, units_per_slot: int,
+                expected_ptr: int) -> None:
+    """expected[s] += units of this call's slots owned by rank s (expected: per-sender array)."""
     fn = kernels.module("combine").get_function("epserve_combine_arm")
-    fn((1,), (256,), (_ptr(topk_idx), np.int32(T), np.int32(k), np.int32(units_per_slot), np.uint64(expected_ptr)))
+    fn((1,), (256,), (_ptr(topk_idx), np.int32(T), np.int32(k), np.int32(experts_per_rank), np.int32(world),
+                      np.int32(units_per_slot), np.uint64(expected_ptr)))
 
 
-def combine_reduce(recv, topk_idx, topk_weights, out, T: int, k: int, H: int, arrive_ptr: int, expected_ptr: int,
-                   error_ptr: int, timeout_ns: int, wait: bool) -> None:
+def combine_reduce(recv, topk_idx, topk_weights, out, T: int, k: int, H: int, world: int, arrive_ptr: int,
+                   expected_ptr: int, error_ptr: int, timeout_ns: int, wait: bool) -> None:
     fn = kernels.module("combine").get_function("epserve_combine_reduce")
     blocks = max(1, min(T, _sm_count(cupy.cuda.runtime.getDevice()) * 8))
     fn((blocks,), (128,), (_ptr(recv), _ptr(topk_idx), _ptr(topk_weights), _ptr(out), np.int32(T), np.int32(k),
-                           np.int32(H), np.uint64(arrive_ptr), np.uint64(expected_ptr), np.uint64(error_ptr),
-                           np.uint64(timeout_ns), np.int32(1 if wait else 0)))
+                           np.int32(H), np.int32(world), np.uint64(arrive_ptr), np.uint64(expected_ptr),
+                           np.uint64(error_ptr), np.uint64(timeout_ns), np.int32(1 if wait else 0)))
 
 
 def release_recv(peer_ready_table, rank: int, world: int) -> None:

@@ -73,7 +73,7 @@ class EPService:
                                        max_recv_rows=c.recv_rows_capacity, wait_timeout_s=c.wait_timeout_s, dtype=BF16)
         self.baseline = Dispatcher(self.group, c.hidden, c.max_tokens_per_rank * c.top_k, self.transport, self.nccl,
                                    BF16)
-        self.combiner = Combiner(self.group, self.signals, top_k=c.top_k, hidden=c.hidden,
+        self.combiner = Combiner(self.group, self.signals, num_experts=c.num_experts, top_k=c.top_k, hidden=c.hidden,
                                  max_tokens=c.max_tokens_per_rank, wait_timeout_s=c.wait_timeout_s,
                                  transport=self.transport, nccl_comm=self.nccl, dtype=BF16)
         cupy.cuda.runtime.deviceSynchronize()

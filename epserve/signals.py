@@ -1,14 +1,15 @@
 """The per-rank signal block (one symmetric buffer) and the device error record.
 
-Layout (bytes):
-    0    arrive           u64       64-column units of combine rows that reached this rank's recv
-    8    count_arrive     u64       dispatch count rows that reached this rank's table
-    16   token_arrive     u64       dispatch token rows that reached this rank's token regions
-    64   ready            u64[8]    ready[d]: combines rank d has finished reading (d writes it)
-    128  dispatch_ready   u64[8]    dispatch_ready[d]: dispatches rank d has consumed
-    192  expected         u64       local: combine units this rank has been promised so far
-    200  expected_tokens  u64       local: dispatch token rows promised so far
-    256  error            int32[4]  local: code, peer, detail (cuda/common/errors.cuh)
+Layout (bytes); [8] arrays are indexed by rank, so a wait that runs out can name the rank
+it was waiting for:
+    0    arrive           u64[8]    64-column units of combine rows that reached this rank's recv, by sender
+    64   count_arrive     u64[8]    dispatch count rows that reached this rank's table, by sender
+    128  token_arrive     u64[8]    dispatch token rows that reached this rank's token regions, by sender
+    192  ready            u64[8]    ready[d]: combines rank d has finished reading (d writes it)
+    256  dispatch_ready   u64[8]    dispatch_ready[d]: dispatches rank d has consumed
+    320  expected         u64[8]    local: combine units promised so far, by sender
+    384  expected_tokens  u64[8]    local: dispatch token rows promised so far, by sender
+    448  error            int32[4]  local: code, peer, detail (cuda/common/errors.cuh)
 Counters only grow (DESIGN section 4): nothing is reset between calls, so nothing races with
 a reset.
 """
@@ -21,13 +22,14 @@ import numpy as np
 from .errors import ConfigError, EPServeError, PeerTimeoutError
 from .kernel_structs import MAX_PEERS
 
-ARRIVE, COUNT_ARRIVE, TOKEN_ARRIVE, READY, DISPATCH_READY, EXPECTED, EXPECTED_TOKENS, ERROR = 0, 8, 16, 64, 128, 192, 200, 256
+ARRIVE, COUNT_ARRIVE, TOKEN_ARRIVE, READY, DISPATCH_READY, EXPECTED, EXPECTED_TOKENS, ERROR = (
+    0, 64, 128, 192, 256, 320, 384, 448)
 SIZE = 512
 
 _CODES = {
     1: ("combine-wait", PeerTimeoutError,
-        "the combine waited for rows that never arrived ({detail} 64-column units missing): a peer is dead, stuck "
-        "or slower than wait_timeout_s"),
+        "the combine waited for rows from rank {peer} that never arrived ({detail} 64-column units missing): rank "
+        "{peer} is dead, stuck or slower than wait_timeout_s"),
     2: ("peer-ready-wait", PeerTimeoutError,
         "a sender waited for rank {peer} to release its recv buffer for combine #{detail}, in vain: rank {peer} is "
         "dead, stuck or slower than wait_timeout_s"),
@@ -38,10 +40,10 @@ _CODES = {
         "waited for rank {peer} to release its dispatch buffers for dispatch #{detail}, in vain: rank {peer} is "
         "dead, stuck or slower than wait_timeout_s"),
     6: ("dispatch-count-wait", PeerTimeoutError,
-        "the dispatch count rows of some rank never arrived (dispatch #{detail}): a peer is dead, stuck or slower "
-        "than wait_timeout_s"),
+        "the dispatch count row of rank {peer} never arrived (dispatch #{detail}): rank {peer} is dead, stuck or "
+        "slower than wait_timeout_s"),
     7: ("dispatch-token-wait", PeerTimeoutError,
-        "token rows promised by the dispatch counts never arrived (dispatch #{detail}): a peer is dead, stuck or "
+        "token rows promised by rank {peer} never arrived (dispatch #{detail}): rank {peer} is dead, stuck or "
         "slower than wait_timeout_s"),
 }
 
@@ -62,8 +64,8 @@ class SignalBlock:
         self.buffer = buffer
         self.buffer.view(np.uint8, (SIZE,)).fill(0)
         self.error = buffer.view(np.int32, (4,), ERROR)
-        self.expected = buffer.view(np.uint64, (1,), EXPECTED)
-        self.arrive = buffer.view(np.uint64, (1,), ARRIVE)
+        self.expected = buffer.view(np.uint64, (MAX_PEERS,), EXPECTED)
+        self.arrive = buffer.view(np.uint64, (MAX_PEERS,), ARRIVE)
         self.ready = buffer.view(np.uint64, (MAX_PEERS,), READY)
 
     def peer_arrive(self, d: int) -> int:

@@ -9,36 +9,39 @@
 
 using namespace epserve;
 
-extern "C" __global__ void epserve_combine_arm(const int* __restrict__ topk_idx, int T, int k, int units_per_slot,
-                                               unsigned long long* expected) {
-  __shared__ unsigned long long total;
-  if (threadIdx.x == 0) total = 0;
+// expected[s] += units of this call's slots whose expert rank s owns.
+extern "C" __global__ void epserve_combine_arm(const int* __restrict__ topk_idx, int T, int k, int experts_per_rank,
+                                               int world, int units_per_slot, unsigned long long* expected) {
+  __shared__ unsigned long long per_source[EPSERVE_MAX_PEERS];
+  if (threadIdx.x < EPSERVE_MAX_PEERS) per_source[threadIdx.x] = 0;
   __syncthreads();
-  unsigned long long mine = 0;
-  for (int i = threadIdx.x; i < T * k; i += blockDim.x) mine += topk_idx[i] >= 0;
-  atomicAdd(&total, mine);
+  for (int i = threadIdx.x; i < T * k; i += blockDim.x) {
+    const int e = topk_idx[i];
+    if (e >= 0) atomicAdd(&per_source[e / experts_per_rank], 1ull);
+  }
   __syncthreads();
-  if (threadIdx.x == 0) *expected += total * units_per_slot;
+  if (threadIdx.x < world) expected[threadIdx.x] += per_source[threadIdx.x] * units_per_slot;
 }
 
 // One block per token at a time; each thread owns 8 consecutive columns (16 bytes).
 // wait = 0 when the rows came by stream-ordered copies (NCCL) and no counter is involved.
+// arrive and expected are this rank's per-sender arrays [world].
 extern "C" __global__ void epserve_combine_reduce(const bf16_t* __restrict__ recv, const int* __restrict__ topk_idx,
                                                   const float* __restrict__ topk_weights, bf16_t* __restrict__ out,
-                                                  int T, int k, int H, const unsigned long long* arrive,
+                                                  int T, int k, int H, int world, const unsigned long long* arrive,
                                                   const unsigned long long* expected, int* error,
                                                   unsigned long long timeout_ns, int wait) {
   __shared__ int ok;
   if (threadIdx.x == 0) {
     ok = 1;
-    if (wait) {
-      const unsigned long long target = *expected;
-      if (!wait_at_least(arrive, target, timeout_ns)) {
-        // detail: how many units are missing (clamped), so the message can say how far it got
-        const unsigned long long got = ld_acquire_sys(arrive);
-        const unsigned long long missing = target - got;
-        record_error(error, kCombineWaitTimeout, -1, missing > 0x7fffffffull ? 0x7fffffff : static_cast<int>(missing));
+    for (int s = 0; wait && s < world; ++s) {
+      const unsigned long long target = expected[s];
+      if (!wait_at_least(arrive + s, target, timeout_ns)) {
+        // detail: how many units from s are missing (clamped), so the message says how far it got
+        const unsigned long long missing = target - ld_acquire_sys(arrive + s);
+        record_error(error, kCombineWaitTimeout, s, missing > 0x7fffffffull ? 0x7fffffff : static_cast<int>(missing));
         ok = 0;
+        break;
       }
     }
   }

@@ -135,18 +135,21 @@ extern "C" __global__ void __launch_bounds__(kRouteThreads, 1)
   }
   fence_acq_rel_sys();
   __syncthreads();
-  if (threadIdx.x < W && ok[threadIdx.x]) red_release_sys_add(cfg.count_arrive[threadIdx.x], 1ull);
+  if (threadIdx.x < W && ok[threadIdx.x]) red_release_sys_add(cfg.count_arrive[threadIdx.x] + cfg.rank, 1ull);
 }
 
 // summary: [0, W) rows each rank receives; [W, 2W) each rank's error code; [2W] token rows
-// arriving here; [2W + 1] 1 if the wait for the count rows ran out.
+// arriving here; [2W + 1] 1 if the wait for some rank's count row ran out.
 extern "C" __global__ void epserve_dispatch_layout(const DispatchConfig cfg, int* __restrict__ expert_offsets,
                                                    int* __restrict__ base, int* __restrict__ summary) {
   const int E = cfg.num_experts, W = cfg.world, e_loc = E / W, row = E + W + 1;
   __shared__ int arrived;
   if (threadIdx.x == 0) {
-    arrived = wait_at_least(cfg.my_count_arrive, static_cast<unsigned long long>(W) * cfg.epoch, cfg.timeout_ns);
-    if (!arrived) record_error(cfg.error, kDispatchCountTimeout, -1, static_cast<int>(cfg.epoch));
+    arrived = 1;
+    for (int s = 0; s < W && arrived; ++s) {
+      arrived = wait_at_least(cfg.my_count_arrive + s, cfg.epoch, cfg.timeout_ns);
+      if (!arrived) record_error(cfg.error, kDispatchCountTimeout, s, static_cast<int>(cfg.epoch));
+    }
     summary[2 * W + 1] = !arrived;
   }
   __syncthreads();
@@ -205,24 +208,29 @@ extern "C" __global__ void epserve_dispatch_send(const bf16_t* __restrict__ x, i
   }
   fence_acq_rel_sys();
   __syncthreads();
-  if (threadIdx.x < W && sent[threadIdx.x]) red_release_sys_add(cfg.token_arrive[threadIdx.x], sent[threadIdx.x]);
+  if (threadIdx.x < W && sent[threadIdx.x])
+    red_release_sys_add(cfg.token_arrive[threadIdx.x] + cfg.rank, sent[threadIdx.x]);
 }
 
 // One warp per arrived token row: copied into every expert row it feeds, src_info beside it.
 extern "C" __global__ void epserve_dispatch_expand(const DispatchConfig cfg, const int* __restrict__ base,
-                                                   const int* __restrict__ summary, bf16_t* __restrict__ a,
-                                                   int* __restrict__ src_info) {
+                                                   bf16_t* __restrict__ a, int* __restrict__ src_info) {
   const int E = cfg.num_experts, W = cfg.world, k = cfg.top_k, H = cfg.hidden, e_loc = E / W, row = E + W + 1;
   const int meta_len = 1 + 2 * k;
   __shared__ int ok;
   __shared__ int first[EPSERVE_MAX_PEERS + 1];  // prefix of token rows per source
   if (threadIdx.x == 0) {
-    const unsigned long long target = *cfg.expected_tokens + summary[2 * W];
-    ok = wait_at_least(cfg.my_token_arrive, target, cfg.timeout_ns);
-    if (!ok) record_error(cfg.error, kDispatchTokenTimeout, -1, static_cast<int>(cfg.epoch));
     const int* table = cfg.count_table[cfg.rank];
+    ok = 1;
     first[0] = 0;
-    for (int s = 0; s < W; ++s) first[s + 1] = first[s] + ld_cg_s32(table + s * row + E + cfg.rank);
+    for (int s = 0; s < W; ++s) {
+      const int from_s = ld_cg_s32(table + s * row + E + cfg.rank);
+      first[s + 1] = first[s] + from_s;
+      if (ok && !wait_at_least(cfg.my_token_arrive + s, cfg.expected_tokens[s] + from_s, cfg.timeout_ns)) {
+        record_error(cfg.error, kDispatchTokenTimeout, s, static_cast<int>(cfg.epoch));
+        ok = 0;
+      }
+    }
   }
   __syncthreads();
   if (!ok) return;
@@ -248,9 +256,11 @@ extern "C" __global__ void epserve_dispatch_expand(const DispatchConfig cfg, con
 // After expand (or instead of it, when the host stopped the call): the token regions and the
 // count table may take the next call. `consumed` says whether this call's tokens were
 // awaited, so the expected count moves with them.
-extern "C" __global__ void epserve_dispatch_release(const DispatchConfig cfg, const int* __restrict__ summary,
-                                                    int consumed) {
-  const int W = cfg.world;
-  if (threadIdx.x == 0 && consumed) *cfg.expected_tokens += summary[2 * W];
-  if (threadIdx.x < W) red_release_sys_add(cfg.ready[threadIdx.x] + cfg.rank, 1ull);
+extern "C" __global__ void epserve_dispatch_release(const DispatchConfig cfg, int consumed) {
+  const int W = cfg.world, row = cfg.num_experts + W + 1;
+  if (threadIdx.x < W) {
+    const int s = threadIdx.x;
+    if (consumed) cfg.expected_tokens[s] += ld_cg_s32(cfg.count_table[cfg.rank] + s * row + cfg.num_experts + cfg.rank);
+    red_release_sys_add(cfg.ready[s] + cfg.rank, 1ull);
+  }
 }

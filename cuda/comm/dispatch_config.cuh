@@ -8,13 +8,13 @@ struct DispatchConfig {
   int* count_table[EPSERVE_MAX_PEERS];                  // each rank's [W][E + W + 1] count table, as mapped here
   bf16_t* tokens[EPSERVE_MAX_PEERS];                    // each rank's token regions [W][max_tokens][H]
   int* meta[EPSERVE_MAX_PEERS];                         // each rank's routing of those rows [W][max_tokens][1 + 2k]
-  unsigned long long* count_arrive[EPSERVE_MAX_PEERS];  // each rank's count-row counter
-  unsigned long long* token_arrive[EPSERVE_MAX_PEERS];  // each rank's token-row counter
+  unsigned long long* count_arrive[EPSERVE_MAX_PEERS];  // each rank's count-row counters [EPSERVE_MAX_PEERS], by sender
+  unsigned long long* token_arrive[EPSERVE_MAX_PEERS];  // each rank's token-row counters [EPSERVE_MAX_PEERS], by sender
   unsigned long long* ready[EPSERVE_MAX_PEERS];         // each rank's dispatch-ready array
   const unsigned long long* my_ready;                   // local: ready[d] = dispatches rank d has consumed
-  const unsigned long long* my_count_arrive;            // local
-  const unsigned long long* my_token_arrive;            // local
-  unsigned long long* expected_tokens;                  // local: token rows promised so far
+  const unsigned long long* my_count_arrive;            // local [EPSERVE_MAX_PEERS], by sender
+  const unsigned long long* my_token_arrive;            // local [EPSERVE_MAX_PEERS], by sender
+  unsigned long long* expected_tokens;                  // local [EPSERVE_MAX_PEERS]: token rows promised so far, by sender
   int* error;                                           // local error record
   unsigned long long epoch;                             // 1-based number of this dispatch
   unsigned long long timeout_ns;

@@ -8,7 +8,7 @@
 
 struct PeerSendConfig {
   bf16_t* recv[EPSERVE_MAX_PEERS];                // each rank's recv [max_tokens, k, H], as mapped in this process
-  unsigned long long* arrive[EPSERVE_MAX_PEERS];  // each rank's arrival counter (64-column units)
+  unsigned long long* arrive[EPSERVE_MAX_PEERS];  // each rank's arrival counters [EPSERVE_MAX_PEERS] (64-column units, by sender)
   const unsigned long long* ready;                // local [EPSERVE_MAX_PEERS]: combines rank d has finished reading
   const int* src_info;                            // [M] packed row sources of this call (common/src_info.cuh)
   int* error;                                     // local error record (common/errors.cuh)

@@ -19,8 +19,9 @@ __device__ __forceinline__ bool wait_peer_ready(const PeerSendConfig& cfg, int d
 // Scatters `rows` rows of `cols` columns (a multiple of 8), row r read from src + r * src_ld,
 // into recv[t, j, col0 : col0 + cols] of the row's home rank, where (rank, t, j) decodes
 // src_info[m0 + r]. Called by kNumThreads threads together, which synchronize on named
-// barrier kBarrierId (0: the whole block). Adds rows * cols / 64 to each destination's arrival counter after a
-// system-scope release, so a receiver that counts 64-column units knows when it has all.
+// barrier kBarrierId (0: the whole block). Adds rows * cols / 64 to each destination's
+// arrival counter for this rank, after a system-scope release, so a receiver that counts
+// 64-column units per sender knows when it has all, and which sender is late if it has not.
 template <int kNumThreads, int kMaxRows, int kBarrierId = 0>
 __device__ void scatter_rows_to_peers(const bf16_t* src, int src_ld, int rows, int cols, int m0, int col0,
                                       const PeerSendConfig& cfg, int tid) {
@@ -59,7 +60,7 @@ __device__ void scatter_rows_to_peers(const bf16_t* src, int src_ld, int rows, i
   fence_acq_rel_sys();
   named_barrier_sync<kBarrierId, kNumThreads>();
   if (tid < cfg.world && rank_rows[tid] > 0 && rank_ok[tid])
-    red_release_sys_add(cfg.arrive[tid], static_cast<unsigned long long>(rank_rows[tid]) * (cols / 64));
+    red_release_sys_add(cfg.arrive[tid] + cfg.rank, static_cast<unsigned long long>(rank_rows[tid]) * (cols / 64));
   named_barrier_sync<kBarrierId, kNumThreads>();  // the shared tables are rewritten by the next call
 }
 

@@ -68,7 +68,8 @@ class Case:
         self.group = PeerGroup(comm)
         send_cap = max(sum(int((i.topk_idx >= 0).sum()) for i in self.inputs), 1)
         self.dispatcher = Dispatcher(self.group, H, send_cap, transport, nccl, BF16)
-        self.combiner = Combiner(self.group, SignalBlock.create(self.group), top_k=k, hidden=H, max_tokens=self.max_tokens, wait_timeout_s=20.0,
+        self.combiner = Combiner(self.group, SignalBlock.create(self.group), num_experts=E, top_k=k, hidden=H,
+                                 max_tokens=self.max_tokens, wait_timeout_s=20.0,
                                  transport=transport, nccl_comm=nccl, dtype=BF16)
         self.x, self.idx = to_device(me.x), to_device(me.topk_idx)
         self.w, self.w13, self.w2 = to_device(me.topk_weights), to_device(me.w13), to_device(me.w2)

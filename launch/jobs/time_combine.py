@@ -58,8 +58,8 @@ def main():
     C = cupy.empty((M, H), BF16)
 
     group = PeerGroup(comm)
-    comb = Combiner(group, SignalBlock.create(group), top_k=k, hidden=H, max_tokens=T, wait_timeout_s=60.0, transport=transport, nccl_comm=nccl,
-                    dtype=BF16)
+    comb = Combiner(group, SignalBlock.create(group), num_experts=E, top_k=k, hidden=H, max_tokens=T,
+                    wait_timeout_s=60.0, transport=transport, nccl_comm=nccl, dtype=BF16)
     out_f = cupy.empty((T, H), BF16)
     out_u = cupy.empty((T, H), BF16)
 
