@@ -16,6 +16,7 @@ import cupy
 import numpy as np
 
 from . import ops
+from . import signals as sig
 from .device_plan import DevicePlan
 from .kernel_structs import pack_peer_pointers, pack_peer_send_config
 from .nccl_transport import exchange_rows
@@ -36,7 +37,7 @@ class Combiner:
         self.dtype = dtype
         self._recv = group.allocate(max_tokens * top_k * hidden * 2)
         self.signals = signals
-        self._ready_table = pack_peer_pointers([self.signals.peer_ready(d) for d in range(self.world)])
+        self._ready_table = pack_peer_pointers([signals.peer(d, sig.READY) for d in range(self.world)])
         self.epoch = 0  # combines begun so far
 
     @property
@@ -46,9 +47,9 @@ class Combiner:
 
     def send_config(self, src_info, epoch: int) -> np.ndarray:
         return pack_peer_send_config(
-            recv=self._recv.peer_ptrs, arrive=[self.signals.peer_arrive(d) for d in range(self.world)],
-            ready=self.signals.ready_ptr, src_info=0 if src_info is None else src_info.data.ptr,
-            error=self.signals.error_ptr, epoch=epoch, timeout_ns=self.timeout_ns, rank=self.rank, world=self.world,
+            recv=self._recv.peer_ptrs, arrive=[self.signals.peer(d, sig.ARRIVE) for d in range(self.world)],
+            ready=self.signals.local(sig.READY), src_info=0 if src_info is None else src_info.data.ptr,
+            error=self.signals.local(sig.ERROR), epoch=epoch, timeout_ns=self.timeout_ns, rank=self.rank, world=self.world,
             top_k=self.top_k, hidden=self.hidden, max_tokens=self.max_tokens)
 
     def gemm_only(self, act, w2, plan: DevicePlan, intermediate: int) -> None:
@@ -87,9 +88,9 @@ class Combiner:
         s = self.signals
         if wait:
             ops.combine_arm(topk_idx, T, self.top_k, self.experts_per_rank, self.world, self.hidden // 64,
-                            s.expected_ptr)
+                            s.local(sig.EXPECTED))
         ops.combine_reduce(self.recv, topk_idx, topk_weights, out, T, self.top_k, self.hidden, self.world,
-                           s.arrive_ptr, s.expected_ptr, s.error_ptr, self.timeout_ns, wait)
+                           s.local(sig.ARRIVE), s.local(sig.EXPECTED), s.local(sig.ERROR), self.timeout_ns, wait)
         if release:
             self.release()
         return out

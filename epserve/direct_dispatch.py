@@ -78,7 +78,7 @@ class DirectDispatcher:
             ready=[s.peer(d, sig.DISPATCH_READY) for d in range(W)],
             my_ready=s.local(sig.DISPATCH_READY), my_count_arrive=s.local(sig.COUNT_ARRIVE),
             my_token_arrive=s.local(sig.TOKEN_ARRIVE), expected_tokens=s.local(sig.EXPECTED_TOKENS),
-            error=s.error_ptr, epoch=self.epoch, timeout_ns=self.timeout_ns, rank=self.rank, world=W,
+            error=s.local(sig.ERROR), epoch=self.epoch, timeout_ns=self.timeout_ns, rank=self.rank, world=W,
             num_experts=self.E, top_k=self.k, hidden=self.H, max_tokens=self.max_tokens)
 
     def dispatch(self, x: cupy.ndarray | None, topk_idx: cupy.ndarray | None, input_error: BaseException | None = None

@@ -25,6 +25,7 @@ from .kernel_structs import MAX_PEERS
 ARRIVE, COUNT_ARRIVE, TOKEN_ARRIVE, READY, DISPATCH_READY, EXPECTED, EXPECTED_TOKENS, ERROR = (
     0, 64, 128, 192, 256, 320, 384, 448)
 SIZE = 512
+assert MAX_PEERS * 8 == COUNT_ARRIVE - ARRIVE, "each per-rank array of the layout holds 8 u64"
 
 _CODES = {
     1: ("combine-wait", PeerTimeoutError,
@@ -64,38 +65,14 @@ class SignalBlock:
         self.buffer = buffer
         self.buffer.view(np.uint8, (SIZE,)).fill(0)
         self.error = buffer.view(np.int32, (4,), ERROR)
-        self.expected = buffer.view(np.uint64, (MAX_PEERS,), EXPECTED)
-        self.arrive = buffer.view(np.uint64, (MAX_PEERS,), ARRIVE)
-        self.ready = buffer.view(np.uint64, (MAX_PEERS,), READY)
-
-    def peer_arrive(self, d: int) -> int:
-        return self.buffer.peer_ptr(d) + ARRIVE
-
-    def peer_ready(self, d: int) -> int:
-        return self.buffer.peer_ptr(d) + READY
 
     def peer(self, d: int, offset: int) -> int:
-        """Rank d's signal block at `offset`, as mapped here."""
+        """Rank d's signal block at `offset` (one of the layout constants), as mapped here."""
         return self.buffer.peer_ptr(d) + offset
 
     def local(self, offset: int) -> int:
+        """This rank's signal block at `offset`."""
         return self.buffer.ptr + offset
-
-    @property
-    def error_ptr(self) -> int:
-        return self.buffer.ptr + ERROR
-
-    @property
-    def ready_ptr(self) -> int:
-        return self.buffer.ptr + READY
-
-    @property
-    def expected_ptr(self) -> int:
-        return self.buffer.ptr + EXPECTED
-
-    @property
-    def arrive_ptr(self) -> int:
-        return self.buffer.ptr + ARRIVE
 
     def raise_if_error(self, rank: int) -> None:
         """Synchronizes the device, then turns a device error record into an exception."""
