@@ -58,8 +58,8 @@ class EPService:
         self.config = config
         self.comm = ep_comm.world(comm)
         self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
+        check_agreement(config, self.comm)  # needs no GPU: a mismatch is reported before any CUDA call
         self.device = ep_comm.select_device(self.comm, device)
-        check_agreement(config, self.comm)
         self._closed = False
         self.group = PeerGroup(self.comm)
         with ep_comm.checked(self.comm, "EPService setup"):

@@ -171,3 +171,34 @@ def test_select_device_on_two_ranks():
         for node_rank, chosen, current, count in rows:
             assert chosen == current, "select_device must make its device current"
             assert chosen == (0 if share_gpu else node_rank % count)
+
+
+# --- EPService on ranks without a GPU: as far as the API goes before it needs one ------------
+
+SERVICE_JOB = REPO_ROOT / "launch" / "jobs" / "service_without_gpu.py"
+
+
+def service_lines(mode):
+    rc, out, err, _ = launch([sys.executable, "-m", "mpi4py", str(SERVICE_JOB), mode])
+    assert rc == 0, explain(rc, out, err)
+    lines = dict(re.findall(r"^rank (\d+): (.*)$", out, re.MULTILINE))
+    assert set(lines) == {"0", "1"}, explain(rc, out, err)
+    return lines
+
+
+def test_service_config_mismatch_is_reported_on_every_rank_before_any_cuda_call():
+    for line in service_lines("mismatch").values():
+        assert line.startswith("RankMismatchError: ") and "MoEConfig.hidden" in line, line
+
+
+def test_service_without_a_gpu_fails_on_every_rank_at_device_selection():
+    import importlib.util
+
+    if importlib.util.find_spec("cupy") is None:
+        pytest.skip("cupy is not installed")
+    from epserve.gpu_probe import gpu_unusable_reason
+
+    if gpu_unusable_reason() is None:
+        pytest.skip("this machine has a GPU: the service would start")
+    for line in service_lines("agree").values():
+        assert line.startswith("RankFailedError: ") and "select_device" in line, line

@@ -1,0 +1,96 @@
+"""A corrupt routing must not write outside recv: rows whose src_info names a rank, token or
+slot out of range are refused on the device (and reported), by the unfused IPC push and by
+the peer sink in both GEMMs, and guard regions around recv stay untouched. One process, one
+rank (MPI.COMM_SELF): the same scatter code serves every peer."""
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+H, K, TOP_K, TOKENS, GUARD = 128, 64, 2, 16, 4096
+POISON = 0x5A
+
+
+def setup():
+    import cupy
+    from mpi4py import MPI
+
+    from epserve import signals as sig
+    from epserve.kernel_structs import pack_peer_send_config
+    from epserve.layout import pack_src_info
+    from epserve.peers import PeerGroup
+    from epserve.signals import SignalBlock
+
+    group = PeerGroup(MPI.COMM_SELF)
+    recv_bytes = TOKENS * TOP_K * H * 2
+    buf = group.allocate(GUARD + recv_bytes + GUARD)
+    raw = buf.view(np.uint8, (GUARD + recv_bytes + GUARD,))
+    raw.fill(POISON)
+    signals = SignalBlock.create(group)
+    good = pack_src_info(np.array([0, 0, 0]), np.array([0, 5, TOKENS - 1]), np.array([0, 1, 1]))
+    bad = np.array([(3 << 24) | (1 << 4),                # rank 3 of 1
+                    (0 << 24) | (TOKENS << 4),           # token past max_tokens
+                    (0 << 24) | (((1 << 20) - 1) << 4),  # the largest token the bits hold
+                    (0 << 24) | (2 << 4) | TOP_K,        # slot past top_k
+                    (0 << 24) | (2 << 4) | 15], np.int32)
+    src_info = cupy.asarray(np.concatenate([good, bad]).astype(np.int32))
+    cfg = pack_peer_send_config(recv=[buf.ptr + GUARD], arrive=[signals.peer(0, sig.ARRIVE)],
+                                ready=signals.local(sig.READY), src_info=src_info.data.ptr,
+                                error=signals.local(sig.ERROR), epoch=1, timeout_ns=10**9, rank=0, world=1,
+                                top_k=TOP_K, hidden=H, max_tokens=TOKENS)
+    return group, raw, signals, src_info, cfg, len(good)
+
+
+def check(raw, signals, rows, n_good):
+    import cupy
+
+    from epserve.errors import ConfigError
+
+    got = cupy.asnumpy(raw)
+    assert (got[:GUARD] == POISON).all() and (got[-GUARD:] == POISON).all(), "a guard region was written"
+    recv = got[GUARD:-GUARD].view(np.uint16).reshape(TOKENS, TOP_K, H)
+    expected = cupy.asnumpy(rows).view(np.uint16)
+    for m, (t, j) in enumerate([(0, 0), (5, 1), (TOKENS - 1, 1)][:n_good]):
+        assert np.array_equal(recv[t, j], expected[m]), f"row {m} did not land in slot ({t}, {j})"
+    touched = (got[GUARD:-GUARD].reshape(TOKENS, TOP_K, H * 2) != POISON).any(axis=2)
+    assert touched.sum() == n_good, "a refused row was written somewhere"
+    with pytest.raises(ConfigError, match="src_info"):
+        signals.raise_if_error(0)
+
+
+def test_ipc_push_refuses_corrupt_rows():
+    import cupy
+
+    from epserve import ops
+    from epserve.arrays import BF16
+
+    group, raw, signals, src_info, cfg, n_good = setup()
+    try:
+        M = src_info.size
+        C = cupy.random.standard_normal((M, H), dtype=np.float32).astype(BF16)
+        ops.push_rows_to_peers(C, M, H, cfg)
+        check(raw, signals, C[:n_good], n_good)
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize("impl", ["mma", "wgmma"])
+def test_peer_sink_refuses_corrupt_rows(impl):
+    import cupy
+
+    from epserve import ops
+    from epserve.arrays import BF16
+
+    group, raw, signals, src_info, cfg, n_good = setup()
+    try:
+        M = src_info.size
+        A = cupy.random.standard_normal((M, K), dtype=np.float32).astype(BF16)
+        B = (cupy.random.standard_normal((1, H, K), dtype=np.float32) / 8).astype(BF16)
+        offsets = cupy.asarray(np.array([0, M], np.int32))
+        ops.grouped_gemm("peer", A, B, None, offsets, 1, H, K, cfg, 0, impl=impl)
+        C = cupy.empty((M, H), BF16)
+        ops.grouped_gemm("null", A, B, C, offsets, 1, H, K, impl=impl)
+        check(raw, signals, C[:n_good], n_good)
+    finally:
+        group.close()
