@@ -129,11 +129,6 @@ __device__ __forceinline__ void named_barrier_sync() {
     asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
   }
 }
-// Arrive without waiting: hands something over to the threads that bar.sync on kId.
-template <int kId, int kThreads>
-__device__ __forceinline__ void named_barrier_arrive() {
-  asm volatile("bar.arrive %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
-}
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs)); }
 template <int kRegs>

@@ -5,14 +5,16 @@
 //  * send_tile: the output threads scatter the tile themselves (a kernel with no spare
 //    warps, such as the mma.sync GEMM);
 //  * send warps (kSendWarps of them): the output warps hand each tile over through a
-//    shared-memory mailbox and named barriers and go back to the math, while the send warps
-//    scatter it (the wgmma GEMM). Protocol, per tile:
-//        output warps: [drain: bar.sync kDrain]  write tile + mailbox  bar.arrive kFull
-//        send warps:    bar.sync kFull  scatter  bar.arrive kDrain
-//    A named barrier holds one generation at a time, so the output warps drain the previous
-//    tile before they hand over the next; they drain after the next tile's mainloop, where
-//    the wait hides behind the MMA. shutdown drains the last tile and posts `done`, so every
-//    arrival is matched when the kernel ends.
+//    shared-memory mailbox and two named barriers and go back to the math, while the send
+//    warps scatter it (the wgmma GEMM). Protocol, per tile:
+//        output warps: [drain: bar.sync kDrain]  write tile + mailbox  bar.sync kFull
+//        send warps:    bar.sync kFull  scatter  bar.sync kDrain
+//    The output warps drain the previous tile after the next tile's mainloop, where the wait
+//    hides behind the MMA; the send warps go from kDrain straight to kFull, so the output
+//    warps' kFull never waits (a bar.arrive would gain nothing, and full barriers on both
+//    sides order the mailbox for every reader, compute-sanitizer's racecheck included).
+//    shutdown drains the last tile and posts `done`, so both barriers are matched when the
+//    kernel ends.
 #pragma once
 #include "sinks/row_scatter.cuh"
 #include "sinks/smem_tile.cuh"
@@ -41,7 +43,7 @@ struct EpPeerSink {
   template <int kOutputThreads>
   __device__ static void hand_over(SendMailbox* box, const SmemTile& tile, int m_abs, int n_abs, int tid) {
     if (tid == 0) *box = SendMailbox{m_abs, n_abs, tile.rows, tile.cols, 0};
-    epserve::named_barrier_arrive<kFullBarrier, kOutputThreads + kSendThreads>();
+    epserve::named_barrier_sync<kFullBarrier, kOutputThreads + kSendThreads>();
   }
 
   // Output warps: wait until the send warps are done with the previous tile.
@@ -59,7 +61,7 @@ struct EpPeerSink {
       if (m.done) return;
       epserve::scatter_rows_to_peers<kSendThreads, 128, kSendBarrier>(tile.data, tile.ld, m.rows, m.cols, m.m_abs,
                                                                       m.n_abs, cfg, send_tid);
-      epserve::named_barrier_arrive<kDrainBarrier, kOutputThreads + kSendThreads>();
+      epserve::named_barrier_sync<kDrainBarrier, kOutputThreads + kSendThreads>();
     }
   }
 
@@ -68,6 +70,6 @@ struct EpPeerSink {
   __device__ static void shutdown(SendMailbox* box, bool drain_pending, int tid) {
     if (drain_pending) drain<kOutputThreads>();
     if (tid == 0) box->done = 1;
-    epserve::named_barrier_arrive<kFullBarrier, kOutputThreads + kSendThreads>();
+    epserve::named_barrier_sync<kFullBarrier, kOutputThreads + kSendThreads>();
   }
 };
