@@ -9,18 +9,26 @@
 
 using namespace epserve;
 
-// expected[s] += units of this call's slots whose expert rank s owns.
+// expected[s] += units of this call's slots whose expert rank s owns. Each thread counts in
+// registers and adds once per rank: one shared counter hit by every slot would serialize.
 extern "C" __global__ void epserve_combine_arm(const int* __restrict__ topk_idx, int T, int k, int experts_per_rank,
                                                int world, int units_per_slot, unsigned long long* expected) {
-  __shared__ unsigned long long per_source[EPSERVE_MAX_PEERS];
+  __shared__ unsigned int per_source[EPSERVE_MAX_PEERS];
   if (threadIdx.x < EPSERVE_MAX_PEERS) per_source[threadIdx.x] = 0;
   __syncthreads();
+  unsigned int mine[EPSERVE_MAX_PEERS] = {};
   for (int i = threadIdx.x; i < T * k; i += blockDim.x) {
     const int e = topk_idx[i];
-    if (e >= 0) atomicAdd(&per_source[e / experts_per_rank], 1ull);
+    if (e < 0) continue;
+    const int s = e / experts_per_rank;
+#pragma unroll
+    for (int d = 0; d < EPSERVE_MAX_PEERS; ++d) mine[d] += s == d;
   }
+#pragma unroll
+  for (int d = 0; d < EPSERVE_MAX_PEERS; ++d)
+    if (d < world && mine[d]) atomicAdd(&per_source[d], mine[d]);
   __syncthreads();
-  if (threadIdx.x < world) expected[threadIdx.x] += per_source[threadIdx.x] * units_per_slot;
+  if (threadIdx.x < world) expected[threadIdx.x] += static_cast<unsigned long long>(per_source[threadIdx.x]) * units_per_slot;
 }
 
 // One block per token at a time; each thread owns 8 consecutive columns (16 bytes).
