@@ -20,9 +20,8 @@ What the tools need and said on an H200 (two ranks on one GPU):
   cuGetProcAddress calls per rank that return CUDA_ERROR_INVALID_VALUE, each an error
   otherwise;
 - memcheck and synccheck: 0 errors; the job passes;
-- racecheck: 6 hazards between the mailbox write in EpPeerSink::hand_over and its read in
-  EpPeerSink::service (cuda/sinks/ep_peer_sink.cuh), which the kFull/kDrain named barriers
-  order, as far as reading the protocol tells; racecheck may not model bar.arrive -> bar.sync;
+- racecheck: 0 hazards (the send-warp mailbox is ordered by bar.sync on both sides; with
+  bar.arrive on one side racecheck reported 6);
 - initcheck: tens of thousands of reads of memory that a peer process initialized through
   CUDA IPC (dispatch count rows, signal counters), which initcheck cannot see.
 """
