@@ -12,6 +12,7 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
+from .comm import collective_verdict
 from .errors import EPServeError
 
 _LAZY_PEER_ACCESS = getattr(cupy.cuda.runtime, "cudaIpcMemLazyEnablePeerAccess", 1)
@@ -66,11 +67,17 @@ class PeerGroup:
         if len(set(sizes)) != 1:
             raise EPServeError(f"symmetric buffer sizes differ between ranks: {sizes}")
         rt = cupy.cuda.runtime
-        ptr = rt.malloc(nbytes)
+        ptr, handle, error = 0, None, None
         try:
+            ptr = rt.malloc(nbytes)
             handle = bytes(rt.ipcGetMemHandle(ptr))
-        except Exception:
-            rt.free(ptr)
+        except Exception as exc:  # out of memory on one rank: every rank must hear of it
+            error = exc
+        try:
+            collective_verdict(self.comm, f"allocating a {nbytes}-byte symmetric buffer", error)
+        except BaseException:
+            if ptr:
+                rt.free(ptr)
             raise
         handles = self.comm.allgather(handle)
         peer_ptrs = []
