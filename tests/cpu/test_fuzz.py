@@ -13,8 +13,8 @@ import pytest
 
 from epserve import fuzz
 from epserve.config import KERNEL_TILE, MoEConfig
-from epserve.layout import count_recv_rows
 from epserve.fuzz import FuzzCase, generate
+from epserve.layout import count_recv_rows
 from epserve.reference import reference_layer
 from epserve.testing import BF16
 

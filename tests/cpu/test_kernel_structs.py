@@ -8,8 +8,13 @@ import numpy as np
 import pytest
 
 from epserve import build
-from epserve.kernel_structs import (MAX_PEERS, PEER_SEND_CONFIG, STRUCTS, pack_dispatch_config,
-                                    pack_peer_send_config)
+from epserve.kernel_structs import (
+    MAX_PEERS,
+    PEER_SEND_CONFIG,
+    STRUCTS,
+    pack_dispatch_config,
+    pack_peer_send_config,
+)
 
 
 def probe_kernels(structs: dict) -> str:

@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from tests.processes import alive
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 RUN_PY = REPO_ROOT / "launch" / "run.py"
 
@@ -224,15 +226,6 @@ def test_run_job_reports_a_signal_death_the_shell_way():
     assert run.run_job(["sh", "-c", "kill -9 $$"], dict(os.environ), timeout_s=30) == 128 + 9
 
 
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to find the processes")
 def test_timeout_kills_process_group_and_escapees(tmp_path, capsys):
     pids = tmp_path / "pids"
@@ -252,9 +245,9 @@ def test_timeout_kills_process_group_and_escapees(tmp_path, capsys):
     children = [int(p) for p in pids.read_text().split()]
     assert len(children) == 2
     deadline = time.monotonic() + 5
-    while any(_alive(p) for p in children) and time.monotonic() < deadline:
+    while any(alive(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(p) for p in children), "a process of the job outlived the timeout"
+    assert not any(alive(p) for p in children), "a process of the job outlived the timeout"
 
 
 def test_timeout_when_the_launcher_ignores_sigterm():
@@ -295,4 +288,4 @@ def test_sigterm_to_the_launcher_takes_the_job_down(tmp_path):
     _, err = launcher.communicate(timeout=30)
     assert launcher.returncode == 128 + 15, err
     assert "interrupted" in err
-    assert not _alive(child), "the job outlived its launcher"
+    assert not alive(child), "the job outlived its launcher"

@@ -6,8 +6,12 @@ import numpy as np
 import pytest
 
 from epserve.errors import ConfigError
-from epserve.layout import (count_recv_rows, pack_src_info, plan_dispatch,
-                            unpack_src_info)
+from epserve.layout import (
+    count_recv_rows,
+    pack_src_info,
+    plan_dispatch,
+    unpack_src_info,
+)
 
 
 def fresh_rng():

@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from tests.processes import alive
+
 pytestmark = pytest.mark.mpi
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -69,15 +71,6 @@ def explain(rc, out, err):
 
 def rank_pids(out):
     return {int(r): int(p) for r, p in re.findall(r"rank (\d+) of \d+ pid (\d+)", out)}
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
 
 
 def test_ok_bootstraps_both_ranks_and_agrees_on_config():
