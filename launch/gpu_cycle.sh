@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The checks and measurements the issues ask of a GPU machine, in as few device calls as
+# possible. Each stage logs to $OUT/<stage>.log (the device tool brings $OUT back) and prints
+# its summary lines; results/ is packed into $OUT/results.tgz.
+#
+#   bash launch/gpu_cycle.sh test run          # ~4-5 min on two H200s
+#   bash launch/gpu_cycle.sh bench fuzz soak   # ~5-6 min
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out=${OUT:-out}
+mkdir -p "$out"
+export EPSERVE_CACHE_DIR=${EPSERVE_CACHE_DIR:-/tmp/epserve-cache}
+status=0
+
+stage() {  # stage NAME SUMMARY-REGEX COMMAND...
+    local name=$1 pattern=$2
+    shift 2
+    echo "== $name: $*"
+    local start=$SECONDS
+    "$@" > "$out/$name.log" 2>&1
+    local rc=$?
+    grep -aE "$pattern" "$out/$name.log" | tail -n 40
+    echo "== $name: exit $rc after $((SECONDS - start)) s"
+    [ "$rc" -eq 0 ] || status=1
+}
+
+nvidia-smi -L > "$out/gpus.log" 2>&1; cat "$out/gpus.log"
+for s in "$@"; do
+    case $s in
+        test)  stage test "passed|failed|FAILED|GPU test" make test ;;
+        run)   stage run "^#|^path|^fused|^unfused" make run ;;
+        bench) stage bench "^#|^[a-z]" make bench
+               tar czf "$out/results.tgz" results ;;
+        fuzz)  stage fuzz "^# fuzz|^FAIL" make fuzz COUNT=500 ;;
+        soak)  stage soak "^# soak" make soak CALLS=1000 ;;
+        sanitize) stage sanitize "^== |SUMMARY" make sanitize ;;
+        *) echo "unknown stage $s (test run bench fuzz soak sanitize)"; status=1 ;;
+    esac
+done
+exit $status
