@@ -1,7 +1,9 @@
 """A corrupt routing must not write outside recv: rows whose src_info names a rank, token or
 slot out of range are refused on the device (and reported), by the unfused IPC push and by
 the peer sink in both GEMMs, and guard regions around recv stay untouched. One process, one
-rank (MPI.COMM_SELF): the same scatter code serves every peer."""
+rank: the same scatter code serves every peer. The rank's communicator is a stand-in, not
+MPI: an MPI library initialised in the pytest process would leak its variables into the
+mpirun jobs that later tests start."""
 
 import numpy as np
 import pytest
@@ -12,9 +14,24 @@ H, K, TOP_K, TOKENS, GUARD = 128, 64, 2, 16, 4096
 POISON = 0x5A
 
 
+class OneRank:
+    """The slice of an mpi4py communicator that PeerGroup uses, for a world of one."""
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 1
+
+    def allgather(self, value):
+        return [value]
+
+    def Barrier(self):
+        pass
+
+
 def setup():
     import cupy
-    from mpi4py import MPI
 
     from epserve import signals as sig
     from epserve.kernel_structs import pack_peer_send_config
@@ -22,7 +39,7 @@ def setup():
     from epserve.peers import PeerGroup
     from epserve.signals import SignalBlock
 
-    group = PeerGroup(MPI.COMM_SELF)
+    group = PeerGroup(OneRank())
     recv_bytes = TOKENS * TOP_K * H * 2
     buf = group.allocate(GUARD + recv_bytes + GUARD)
     raw = buf.view(np.uint8, (GUARD + recv_bytes + GUARD,))
