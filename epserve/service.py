@@ -37,6 +37,23 @@ from .peers import PeerGroup
 from .signals import SignalBlock
 
 SINKS = ("peer", "null")
+
+MAX_LOCAL_EXPERTS = 512   # EPSERVE_MAX_LOCAL_EXPERTS: the GEMM's tile scheduler keeps a table per expert
+MAX_EXPERTS = 1024        # the dispatch route kernel keeps per-warp counters for every expert in shared memory
+
+
+def check_service_limits(config: MoEConfig) -> None:
+    """What the kernels need beyond MoEConfig's own rules (which hold for any backend)."""
+    from .kernel_structs import MAX_PEERS
+
+    if config.world_size > MAX_PEERS:
+        raise ConfigError(f"MoEConfig.world_size = {config.world_size}: the peer paths reach at most {MAX_PEERS} "
+                          "GPUs (one NVLink domain)")
+    if config.experts_per_rank > MAX_LOCAL_EXPERTS:
+        raise ConfigError(f"{config.experts_per_rank} experts per rank: the grouped GEMM schedules at most "
+                          f"{MAX_LOCAL_EXPERTS}")
+    if config.num_experts > MAX_EXPERTS:
+        raise ConfigError(f"MoEConfig.num_experts = {config.num_experts}: the dispatch counts at most {MAX_EXPERTS}")
 DISPATCHES = ("direct", "nccl")
 
 
@@ -59,6 +76,7 @@ class EPService:
         self.comm = ep_comm.world(comm)
         self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
         check_agreement(config, self.comm)  # needs no GPU: a mismatch is reported before any CUDA call
+        check_service_limits(config)  # the same config on every rank: every rank raises alike
         self.device = ep_comm.select_device(self.comm, device)
         self._closed = False
         self.group = PeerGroup(self.comm)
