@@ -57,20 +57,20 @@ class Combiner:
         cfg = self.send_config(plan.src_info, self.epoch + 1)
         ops.grouped_gemm("peer", act, w2, None, plan.expert_offsets, w2.shape[0], self.hidden, intermediate, cfg, -1)
 
-    def fused(self, act, w2, plan: DevicePlan, topk_idx, topk_weights, intermediate: int, out=None, release=True):
+    def fused(self, act, w2, plan: DevicePlan, topk_idx, topk_weights, intermediate: int, out=None):
         """GEMM 2 whose epilogue writes every row into its home rank's recv; then the reduction."""
         self.epoch += 1
         cfg = self.send_config(plan.src_info, self.epoch)
         ops.grouped_gemm("peer", act, w2, None, plan.expert_offsets, w2.shape[0], self.hidden, intermediate, cfg, 0)
-        return self._reduce(topk_idx, topk_weights, out, wait=True, release=release)
+        return self._reduce(topk_idx, topk_weights, out, wait=True)
 
-    def unfused(self, C, plan: DevicePlan, topk_idx, topk_weights, out=None, release=True):
+    def unfused(self, C, plan: DevicePlan, topk_idx, topk_weights, out=None):
         """C [M, H] (GEMM 2 with the null sink) -> recv slots by the transport -> the reduction."""
         self.epoch += 1
         M, row_bytes = plan.num_recv_rows, self.hidden * 2
         if self.transport == "ipc":
             ops.push_rows_to_peers(C, M, self.hidden, self.send_config(plan.src_info, self.epoch))
-            return self._reduce(topk_idx, topk_weights, out, wait=True, release=release)
+            return self._reduce(topk_idx, topk_weights, out, wait=True)
         h = plan.host
         packed = cupy.empty_like(C)
         ops.copy_rows(packed, C, None, plan.combine_pack_idx, M, row_bytes)
@@ -79,9 +79,9 @@ class Combiner:
         exchange_rows(self.nccl, packed, h.recv_counts, h.recv_displs, staging, h.send_counts, h.send_displs,
                       row_bytes)
         ops.copy_rows(self.recv, staging, plan.home_slot, None, plan.num_send_rows, row_bytes)
-        return self._reduce(topk_idx, topk_weights, out, wait=False, release=release)
+        return self._reduce(topk_idx, topk_weights, out, wait=False)
 
-    def _reduce(self, topk_idx, topk_weights, out, *, wait: bool, release: bool):
+    def _reduce(self, topk_idx, topk_weights, out, *, wait: bool):
         T = topk_idx.shape[0]
         if out is None:
             out = cupy.empty((T, self.hidden), self.dtype)
@@ -91,10 +91,6 @@ class Combiner:
                             s.local(sig.EXPECTED))
         ops.combine_reduce(self.recv, topk_idx, topk_weights, out, T, self.top_k, self.hidden, self.world,
                            s.local(sig.ARRIVE), s.local(sig.EXPECTED), s.local(sig.ERROR), self.timeout_ns, wait)
-        if release:
-            self.release()
-        return out
-
-    def release(self) -> None:
-        """Tell every peer this rank's recv may take the next combine's rows."""
+        # recv is read: tell every peer it may take the next combine's rows
         ops.release_recv(self._ready_table, self.rank, self.world)
+        return out
