@@ -20,6 +20,7 @@ import numpy as np
 from . import comm as ep_comm
 from .arrays import BF16
 from .bench.events import median_ms
+from .bench.measure import bitwise_wrong
 from .config import MoEConfig
 from .testing import routing
 
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
 
     out_f, out_u = fused(), unfused()
     svc.check()
-    wrong = comm.allreduce(int((out_f.view(np.uint16) != out_u.view(np.uint16)).sum()))
+    wrong = comm.allreduce(bitwise_wrong(out_f, out_u))
     sample = rng.choice(T, size=min(args.check_tokens, T), replace=False)
     ref = reference_tokens(sample, x, idx, w, args.seed, H, I)
     got = out_f[cupy.asarray(sample)].astype(np.float64)

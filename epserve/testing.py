@@ -12,6 +12,13 @@ import numpy as np
 BF16 = ml_dtypes.bfloat16
 
 
+def bf16_bits(a) -> np.ndarray:
+    """A bf16 GPU array's bits on the host, for bitwise comparison."""
+    import cupy
+
+    return cupy.asnumpy(a).view(np.uint16)
+
+
 def routing(rng, tokens: int, num_experts: int, top_k: int, *, zipf: float = 0.0, unused: float = 0.0,
             experts=None) -> np.ndarray:
     """int32 [tokens, top_k]: distinct experts per token (from `experts`, default all),

@@ -31,7 +31,7 @@ from epserve.nccl_transport import gpus_shared, make_nccl
 from epserve.peers import PeerGroup
 from epserve.reference import reference_layer, rel_error
 from epserve.signals import SignalBlock
-from epserve.testing import BF16, layer_inputs
+from epserve.testing import BF16, bf16_bits, layer_inputs
 
 POISON = 0xFFFF  # a bf16 NaN: no finite GEMM result has these bits
 
@@ -50,9 +50,6 @@ QUICK = {"k2-small", "k1-half-tile", "k8-empty-experts"}
 def to_device(a):
     return cupy.asarray(a)
 
-
-def bits(a) -> np.ndarray:
-    return cupy.asnumpy(a).view(np.uint16)
 
 
 class Case:
@@ -97,7 +94,7 @@ class Case:
 
     def recv_problems(self, label):
         """Poison left in a used slot, or anything written into an unused one."""
-        r = bits(self.combiner.recv)
+        r = bf16_bits(self.combiner.recv)
         poisoned = (r == POISON).all(axis=2)
         untouched_used = int((poisoned & self.used).sum())
         written_unused = int((~poisoned & ~self.used).sum())
@@ -124,7 +121,7 @@ class Case:
         self.combiner.signals.raise_if_error(self.rank)
         self.sync_barrier()
         failures += self.recv_problems("unfused")
-        recv_unfused = bits(self.combiner.recv)
+        recv_unfused = bf16_bits(self.combiner.recv)
 
         # Fused: GEMM 2 with the peer sink; C is never allocated.
         del C
@@ -133,11 +130,11 @@ class Case:
         self.combiner.signals.raise_if_error(self.rank)
         self.sync_barrier()
         failures += self.recv_problems("fused")
-        recv_fused = bits(self.combiner.recv)
+        recv_fused = bf16_bits(self.combiner.recv)
 
         if not np.array_equal(recv_fused[self.used], recv_unfused[self.used]):
             failures.append("recv slots differ between fused and unfused")
-        fb, ub = bits(out_fused), bits(out_unfused)
+        fb, ub = bf16_bits(out_fused), bf16_bits(out_unfused)
         if not np.array_equal(fb, ub):
             failures.append(f"fused != unfused bitwise in {int((fb != ub).sum())} of {fb.size} elements")
 
@@ -160,7 +157,7 @@ class Case:
         outs = [self.combiner.fused(act, self.w2, self.plan, self.idx, self.w, self.I) for _ in range(3)]
         self.combiner.signals.raise_if_error(self.rank)
         for n, o in enumerate(outs):
-            if not np.array_equal(bits(o), fb):
+            if not np.array_equal(bf16_bits(o), fb):
                 failures.append(f"repeated fused call {n + 1} differs from the first")
 
         # Gate off: the GEMM runs, nothing is sent, nothing hangs.
@@ -170,7 +167,7 @@ class Case:
         self.combiner.signals.raise_if_error(self.rank)
         self.sync_barrier()
         info["gate_off_s"] = round(time.perf_counter() - t0, 4)
-        if (bits(self.combiner.recv) != POISON).any():
+        if (bf16_bits(self.combiner.recv) != POISON).any():
             failures.append("gate < 0 wrote into recv")
 
         info.update(T=self.T, M=M, epochs=self.combiner.epoch)

@@ -25,7 +25,7 @@ from epserve import comm as ep_comm
 from epserve.errors import EPServeError
 from epserve.layout import count_recv_rows
 from epserve.reference import reference_layer, rel_error
-from epserve.testing import BF16, layer_inputs
+from epserve.testing import BF16, bf16_bits, layer_inputs
 
 # name, H, I, E, k, token counts of successive calls (rank 0, rank 1), routing options
 SHAPES = [
@@ -59,9 +59,6 @@ class ForeignDLPack:
     def __dlpack_device__(self):
         return self._a.__dlpack_device__()
 
-
-def bits(a):
-    return cupy.asnumpy(a).view(np.uint16)
 
 
 def tokens_for(call, world):
@@ -100,8 +97,8 @@ def run_shape(comm, name, H, I, E, k, calls, opts, seed):
                 failures.append(f"call {n}: forward did not return the given out buffer")
             if np.isnan(cupy.asnumpy(fused).astype(np.float32)).any():
                 failures.append(f"call {n}: fused output has unwritten (poisoned) elements")
-            if not np.array_equal(bits(fused), bits(unfused)):
-                failures.append(f"call {n}: fused != unfused bitwise ({int((bits(fused) != bits(unfused)).sum())} "
+            if not np.array_equal(bf16_bits(fused), bf16_bits(unfused)):
+                failures.append(f"call {n}: fused != unfused bitwise ({int((bf16_bits(fused) != bf16_bits(unfused)).sum())} "
                                 "elements)")
             ref = reference_layer([i.x for i in inputs], [i.topk_idx for i in inputs],
                                   [i.topk_weights for i in inputs], [i.w13 for i in inputs], [i.w2 for i in inputs],
@@ -123,10 +120,10 @@ def run_shape(comm, name, H, I, E, k, calls, opts, seed):
                 failures.append(f"call {n}: dispatch layout differs from the reference plan")
             for label, wrap in (("__cuda_array_interface__", ForeignCAI), ("DLPack", ForeignDLPack)):
                 other = svc.forward(wrap(x), wrap(idx), wrap(w), wrap(w13), wrap(w2))
-                if not np.array_equal(bits(other), bits(fused)):
+                if not np.array_equal(bf16_bits(other), bf16_bits(fused)):
                     failures.append(f"call {n}: inputs through {label} gave other bits")
             if n == 0:
-                first_out = bits(fused)
+                first_out = bf16_bits(fused)
                 first_inputs = (x, idx, w, w13, w2)
             info["calls"] += 1
 
@@ -177,7 +174,7 @@ def bad_inputs(comm, svc, cfg, good, good_bits):
             print(f"# rank {rank} {label}: {message[:200]}", flush=True)
         after = svc.forward(x, idx, w, w13, w2)
         svc.check()
-        if not np.array_equal(bits(after), good_bits):
+        if not np.array_equal(bf16_bits(after), good_bits):
             failures.append(f"after '{label}' the service gave other bits")
     failures += overflow_case(comm, cfg, good)
     return failures

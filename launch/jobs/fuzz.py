@@ -36,7 +36,7 @@ from epserve.errors import EPServeError
 from epserve.fuzz import WAIT_TIMEOUT_S, generate
 from epserve.nccl_transport import gpus_shared
 from epserve.reference import reference_layer, rel_error
-from epserve.testing import BF16
+from epserve.testing import BF16, bf16_bits
 
 # Services kept open for reuse by later cases of the same config; each holds symmetric
 # buffers of up to tens of MiB, so the least recently used one is closed past this count.
@@ -73,9 +73,6 @@ def list_cases(args) -> int:
     return 0
 
 
-def bits(a):
-    return cupy.asnumpy(a).view(np.uint16)
-
 
 def run_case(svc, case, rank) -> list[str]:
     """This rank's failures on one case (empty when it passed)."""
@@ -94,7 +91,7 @@ def run_case(svc, case, rank) -> list[str]:
     for label, got in (("fused", fused), ("unfused", unfused)):
         if np.isnan(cupy.asnumpy(got).astype(np.float32)).any():
             failures.append(f"{label} output has unwritten (poisoned) elements")
-    differ = int((bits(fused) != bits(unfused)).sum())
+    differ = int((bf16_bits(fused) != bf16_bits(unfused)).sum())
     if differ:
         failures.append(f"fused != unfused bitwise ({differ} of {T * H} elements)")
     if T:
