@@ -5,12 +5,17 @@
 #
 #   bash launch/gpu_cycle.sh test run          # ~4-5 min on two H200s
 #   bash launch/gpu_cycle.sh bench fuzz soak   # ~5-6 min
+#   bash launch/gpu_cycle.sh timing            # the GEMMs and the one-GPU combine, ~1 min
+# bench runs one rank per GPU (on one GPU: one rank, no link); run, fuzz and soak take two
+# ranks, sharing the GPU where there is one.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-out}
 mkdir -p "$out"
 export EPSERVE_CACHE_DIR=${EPSERVE_CACHE_DIR:-/tmp/epserve-cache}
 status=0
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+[ "$gpus" -ge 1 ] 2>/dev/null || gpus=2
 
 stage() {  # stage NAME SUMMARY-REGEX COMMAND...
     local name=$1 pattern=$2
@@ -29,12 +34,14 @@ for s in "$@"; do
     case $s in
         test)  stage test "passed|failed|FAILED|GPU test" make test ;;
         run)   stage run "^#|^path|^fused|^unfused" make run ;;
-        bench) stage bench "^#|^[a-z]" make bench
+        timing) stage timing "^#|^GEMM|^dense|^path|^ *[a-z]" bash -c \
+                   "PYTHONPATH=. python3 launch/jobs/time_gemm.py && python3 launch/run.py -n 1 -- python3 -m mpi4py launch/jobs/time_combine.py" ;;
+        bench) stage bench "^#|^[a-z]" make bench NP=$gpus
                tar czf "$out/results.tgz" results ;;
         fuzz)  stage fuzz "^# fuzz|^FAIL" make fuzz COUNT=500 ;;
         soak)  stage soak "^# soak" make soak CALLS=1000 ;;
         sanitize) stage sanitize "^== |SUMMARY" make sanitize ;;
-        *) echo "unknown stage $s (test run bench fuzz soak sanitize)"; status=1 ;;
+        *) echo "unknown stage $s (test run timing bench fuzz soak sanitize)"; status=1 ;;
     esac
 done
 exit $status

@@ -41,6 +41,11 @@ __device__ __forceinline__ uint4 ld_shared_v4(const void* p) {
 __device__ __forceinline__ void st_v4(void* p, uint4 v) {
   asm volatile("st.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
+// 16-byte store to this GPU's global memory (a kernel's output array); the generic address
+// of global memory is its global address.
+__device__ __forceinline__ void st_global_v4(void* p, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
 // Global load that skips L1: data other GPUs wrote must not come from a stale L1 line.
 __device__ __forceinline__ uint4 ld_cg_v4(const void* p) {
   uint4 v;

@@ -14,12 +14,18 @@
 // the producer warpgroup to the consumers. A and B arrive through 2-D tensor maps (box 64 x 128 over A [M, K],
 // 64 x 256 over B viewed as [E * N, K]) with 128-byte swizzle; rows past the end of A read
 // as zeros, rows of the next expert's weights past N compute columns the store masks.
+//
+// The epilogue never stalls the math on global stores: the consumers write the tile to
+// shared memory and hand it to three writer warps of the producer warpgroup through the
+// mailbox of sinks/tile_mailbox.cuh. With EpPeerSink they are its send warps; in the null
+// build they store C (row by row, a warp per row, 512-byte coalesced stores).
 #include "common/bf16.cuh"
 #include "common/ptx.cuh"
 #include "common/wgmma_m64n256.cuh"
 #include "gemm/tile_scheduler.cuh"
 #include "sinks/ep_peer_sink.cuh"
 #include "sinks/null_peer_sink.cuh"
+#include "sinks/tile_mailbox.cuh"
 
 #ifndef EPSERVE_SINK
 #error "build with -DEPSERVE_SINK=NullPeerSink or -DEPSERVE_SINK=EpPeerSink"
@@ -34,6 +40,11 @@ constexpr int kConsumers = 2, kConsumerThreads = 128 * kConsumers;
 constexpr int kThreads = 128 * (kConsumers + 1);
 constexpr int kProducerWarpgroup = kConsumers;
 constexpr bool kSendWarps = Sink::kSendWarps > 0;
+// Whether finished tiles go to writer warps: the sink's send warps, or the null build's C
+// store. (A peer sink that sends from the output warps leaves the output warps to write.)
+constexpr bool kWriterWarps = kSendWarps || !Sink::kEnabled;
+constexpr int kCWriterWarps = 3;
+using CMailbox = TileMailbox<kConsumerThreads, kCWriterWarps * 32>;
 // 64K registers per SM: the producer warpgroup needs few, the consumers hold 128 fp32
 // accumulators each.
 constexpr int kLightRegs = 40, kConsumerRegs = 232;
@@ -86,8 +97,21 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   if (warpgroup == kProducerWarpgroup) {
     setmaxnreg_dec<kLightRegs>();
     const int warp = (threadIdx.x % 128) / 32;
-    if (kSendWarps && warp >= 1 && warp <= Sink::kSendWarps && gate >= 0)
-      Sink::template service<kConsumerThreads>(SmemTile{out_tile, kTileLd, 0, 0}, &mailbox, cfg, threadIdx.x % 128 - 32);
+    if constexpr (kSendWarps) {
+      if (warp >= 1 && warp <= Sink::kSendWarps && gate >= 0)
+        Sink::template service<kConsumerThreads>(SmemTile{out_tile, kTileLd, 0, 0}, &mailbox, cfg,
+                                                 threadIdx.x % 128 - 32);
+    } else if constexpr (!Sink::kEnabled) {
+      if (warp >= 1 && warp <= kCWriterWarps) {
+        const int lane = threadIdx.x % 32;
+        CMailbox::serve(&mailbox, [&](const SendMailbox& m) {
+          if (lane * 8 >= m.cols) return;  // N is a multiple of 64: whole 16-byte chunks
+          for (int r = warp - 1; r < m.rows; r += kCWriterWarps)
+            st_global_v4(C + static_cast<long long>(m.m_abs + r) * N + m.n_abs + lane * 8,
+                         ld_shared_v4(out_tile + r * kTileLd + lane * 8));
+        });
+      }
+    }
     // Producer: one thread keeps the ring full, tile after tile.
     if (threadIdx.x % 128 == 0) {
       int stage = 0;
@@ -113,7 +137,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     int stage = 0;
     uint32_t phase = 0;
     float acc[128];
-    bool send_pending = false;
+    bool tile_pending = false;  // the writer warps still hold the shared output tile
     for (int index = blockIdx.x; index < sched.total_tiles; index += gridDim.x) {
       const GroupedTile t = sched.tile(index);
 #pragma unroll
@@ -137,9 +161,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         }
       }
 
-      if constexpr (kSendWarps) {
+      if constexpr (Sink::kEnabled) {
         if (gate < 0) continue;  // the peer sink gated off: the math alone
-        if (send_pending) Sink::template drain<kConsumerThreads>();  // the send warps are done with the last tile
+      }
+      if (tile_pending) {  // wait until the writer warps are done with the last tile
+        if constexpr (kSendWarps) Sink::template drain<kConsumerThreads>();
+        else CMailbox::drain();
       }
       // Accumulators -> bf16 -> the shared output tile. n8 block j of this thread: values
       // 4j, 4j+1 at (row g, cols 8j + 2q, +1), 4j+2, 4j+3 at row g + 8.
@@ -151,30 +178,26 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         *reinterpret_cast<uint32_t*>(out_tile + (row + 8) * kTileLd + 8 * j + colq) =
             pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]);
       }
-      named_barrier_sync<kEpilogueBarrier, kConsumerThreads>();
       const int rows = min(kBM, t.m_end - t.m_abs);
       const int cols = min(kBN, N - t.n_abs);
-      if constexpr (kSendWarps) {
-        Sink::template hand_over<kConsumerThreads>(&mailbox, SmemTile{out_tile, kTileLd, rows, cols}, t.m_abs, t.n_abs,
-                                                   tid);
-        send_pending = true;
-        continue;  // the send warps own the tile until the next drain
-      } else if constexpr (Sink::kEnabled) {
+      if constexpr (kWriterWarps) {  // the hand-over's barrier publishes the tile to the writers
+        const SmemTile tile{out_tile, kTileLd, rows, cols};
+        if constexpr (kSendWarps) Sink::template hand_over<kConsumerThreads>(&mailbox, tile, t.m_abs, t.n_abs, tid);
+        else CMailbox::hand_over(&mailbox, tile, t.m_abs, t.n_abs, tid);
+        tile_pending = true;
+        continue;  // the writer warps own the tile until the next drain
+      } else {  // a peer sink without send warps: the output warps scatter the tile themselves
+        named_barrier_sync<kEpilogueBarrier, kConsumerThreads>();
         const SmemTile tile{out_tile, kTileLd, rows, cols};
         Sink::template send_tile<kConsumerThreads, kEpilogueBarrier>(tile, t.m_abs, t.n_abs, t.m_end, t.expert, cfg,
                                                                      gate, tid);
-      } else {
-        const int chunks_per_row = cols / 8;
-        for (int c = tid; c < rows * chunks_per_row; c += kConsumerThreads) {
-          const int r = c / chunks_per_row, k8 = (c - r * chunks_per_row) * 8;
-          const uint4 v = ld_shared_v4(out_tile + r * kTileLd + k8);
-          *reinterpret_cast<uint4*>(C + static_cast<long long>(t.m_abs + r) * N + t.n_abs + k8) = v;
-        }
+        named_barrier_sync<kEpilogueBarrier, kConsumerThreads>();  // the tile is rewritten by the next epilogue
       }
-      named_barrier_sync<kEpilogueBarrier, kConsumerThreads>();  // the tile is rewritten by the next epilogue
     }
     if constexpr (kSendWarps) {
-      if (gate >= 0) Sink::template shutdown<kConsumerThreads>(&mailbox, send_pending, tid);
+      if (gate >= 0) Sink::template shutdown<kConsumerThreads>(&mailbox, tile_pending, tid);
+    } else if constexpr (!Sink::kEnabled) {
+      CMailbox::shutdown(&mailbox, tile_pending, tid);
     }
   }
 }

@@ -4,30 +4,21 @@
 // Two ways to drive it:
 //  * send_tile: the output threads scatter the tile themselves (a kernel with no spare
 //    warps, such as the mma.sync GEMM);
-//  * send warps (kSendWarps of them): the output warps hand each tile over through a
-//    shared-memory mailbox and two named barriers and go back to the math, while the send
-//    warps scatter it (the wgmma GEMM). Protocol, per tile:
-//        output warps: [drain: bar.sync kDrain]  write tile + mailbox  bar.sync kFull
-//        send warps:    bar.sync kFull  scatter  bar.sync kDrain
-//    The output warps drain the previous tile after the next tile's mainloop, where the wait
-//    hides behind the MMA; the send warps go from kDrain straight to kFull, so the output
-//    warps' kFull never waits (a bar.arrive would gain nothing, and full barriers on both
-//    sides order the mailbox for every reader, compute-sanitizer's racecheck included).
-//    shutdown drains the last tile and posts `done`, so both barriers are matched when the
-//    kernel ends.
+//  * send warps (kSendWarps of them): the output warps hand each tile over through the
+//    shared-memory mailbox of sinks/tile_mailbox.cuh and go back to the math, while the
+//    send warps scatter it (the wgmma GEMM).
 #pragma once
 #include "sinks/row_scatter.cuh"
 #include "sinks/smem_tile.cuh"
-
-struct SendMailbox {
-  int m_abs, n_abs, rows, cols, done;
-};
+#include "sinks/tile_mailbox.cuh"
 
 struct EpPeerSink {
   static constexpr bool kEnabled = true;
   static constexpr int kSendWarps = 3;  // the wgmma GEMM's producer warpgroup: one TMA warp, three send warps
   static constexpr int kSendThreads = kSendWarps * 32;
-  static constexpr int kFullBarrier = 2, kDrainBarrier = 3, kSendBarrier = 4;
+  static constexpr int kSendBarrier = 4;  // the send warps among themselves; 2 and 3 are the mailbox's
+  template <int kOutputThreads>
+  using Mailbox = TileMailbox<kOutputThreads, kSendThreads>;
 
   // kNumThreads threads call it together, synchronizing on named barrier kBarrierId.
   template <int kNumThreads, int kBarrierId = 0>
@@ -42,34 +33,27 @@ struct EpPeerSink {
   // Output warps: the tile is in shared memory; tell the send warps where it belongs.
   template <int kOutputThreads>
   __device__ static void hand_over(SendMailbox* box, const SmemTile& tile, int m_abs, int n_abs, int tid) {
-    if (tid == 0) *box = SendMailbox{m_abs, n_abs, tile.rows, tile.cols, 0};
-    epserve::named_barrier_sync<kFullBarrier, kOutputThreads + kSendThreads>();
+    Mailbox<kOutputThreads>::hand_over(box, tile, m_abs, n_abs, tid);
   }
 
   // Output warps: wait until the send warps are done with the previous tile.
   template <int kOutputThreads>
   __device__ static void drain() {
-    epserve::named_barrier_sync<kDrainBarrier, kOutputThreads + kSendThreads>();
+    Mailbox<kOutputThreads>::drain();
   }
 
   // Send warps: scatter every tile handed over until `done`.
   template <int kOutputThreads>
   __device__ static void service(const SmemTile& tile, const SendMailbox* box, const PeerSendConfig& cfg, int send_tid) {
-    for (;;) {
-      epserve::named_barrier_sync<kFullBarrier, kOutputThreads + kSendThreads>();
-      const SendMailbox m = *box;
-      if (m.done) return;
+    Mailbox<kOutputThreads>::serve(box, [&](const SendMailbox& m) {
       epserve::scatter_rows_to_peers<kSendThreads, 128, kSendBarrier>(tile.data, tile.ld, m.rows, m.cols, m.m_abs,
                                                                       m.n_abs, cfg, send_tid);
-      epserve::named_barrier_sync<kDrainBarrier, kOutputThreads + kSendThreads>();
-    }
+    });
   }
 
   // Output warps, after their last tile: retire the send warps with every arrival matched.
   template <int kOutputThreads>
   __device__ static void shutdown(SendMailbox* box, bool drain_pending, int tid) {
-    if (drain_pending) drain<kOutputThreads>();
-    if (tid == 0) box->done = 1;
-    epserve::named_barrier_sync<kFullBarrier, kOutputThreads + kSendThreads>();
+    Mailbox<kOutputThreads>::shutdown(box, drain_pending, tid);
   }
 };

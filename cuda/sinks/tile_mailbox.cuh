@@ -1,0 +1,52 @@
+// Hand-over of the epilogue's finished shared-memory tile from the output warps (the MMA
+// warps) to a few worker warps that write it out while the output warps go on with the next
+// tile's mainloop. The peer sink's send warps use it to scatter rows to their home ranks;
+// the wgmma GEMM's null build uses it to store C. Protocol, per tile:
+//     output warps: [drain: bar.sync kDrain]  write tile + mailbox  bar.sync kFull
+//     workers:       bar.sync kFull  write the tile out  bar.sync kDrain
+// The output warps drain the previous tile after the next tile's mainloop, where the wait
+// hides behind the MMA; the workers go from kDrain straight to kFull, so the output warps'
+// kFull never waits (a bar.arrive would gain nothing, and full barriers on both sides order
+// the mailbox for every reader, compute-sanitizer's racecheck included). shutdown drains
+// the last tile and posts `done`, so both barriers are matched when the kernel ends.
+#pragma once
+#include "common/ptx.cuh"
+#include "sinks/smem_tile.cuh"
+
+struct SendMailbox {
+  int m_abs, n_abs, rows, cols, done;
+};
+
+template <int kOutputThreads, int kWorkerThreads, int kFullBarrier = 2, int kDrainBarrier = 3>
+struct TileMailbox {
+  static constexpr int kParties = kOutputThreads + kWorkerThreads;
+
+  // Output warps: the tile is in shared memory; tell the workers where it belongs. The
+  // barrier also makes every output thread's tile writes visible to the workers.
+  __device__ static void hand_over(SendMailbox* box, const SmemTile& tile, int m_abs, int n_abs, int tid) {
+    if (tid == 0) *box = SendMailbox{m_abs, n_abs, tile.rows, tile.cols, 0};
+    epserve::named_barrier_sync<kFullBarrier, kParties>();
+  }
+
+  // Output warps: wait until the workers are done with the previous tile.
+  __device__ static void drain() { epserve::named_barrier_sync<kDrainBarrier, kParties>(); }
+
+  // Workers: write_out(mailbox) for every tile handed over, until `done`.
+  template <class WriteOut>
+  __device__ static void serve(const SendMailbox* box, WriteOut&& write_out) {
+    for (;;) {
+      epserve::named_barrier_sync<kFullBarrier, kParties>();
+      const SendMailbox m = *box;
+      if (m.done) return;
+      write_out(m);
+      epserve::named_barrier_sync<kDrainBarrier, kParties>();
+    }
+  }
+
+  // Output warps, after their last tile: retire the workers with every arrival matched.
+  __device__ static void shutdown(SendMailbox* box, bool drain_pending, int tid) {
+    if (drain_pending) drain();
+    if (tid == 0) box->done = 1;
+    epserve::named_barrier_sync<kFullBarrier, kParties>();
+  }
+};
