@@ -4,6 +4,8 @@ shipped is a variant that is compiled in CI."""
 
 from __future__ import annotations
 
+import functools
+
 from .build import load_module
 
 SINKS = {"null": "NullPeerSink", "peer": "EpPeerSink"}
@@ -30,3 +32,17 @@ def module(name: str):
     """The loaded cupy.RawModule of variant `name` on the current device."""
     source, defines = VARIANTS[name]
     return load_module(source, defines)
+
+
+def function(name: str, kernel: str):
+    """Kernel `kernel` of variant `name` on the current device, looked up once per process
+    and device: load_module re-hashes the include closure on every call, which costs more
+    host time per launch than a small kernel runs."""
+    import cupy
+
+    return _function(name, kernel, cupy.cuda.runtime.getDevice())
+
+
+@functools.lru_cache(maxsize=None)
+def _function(name: str, kernel: str, device: int):
+    return module(name).get_function(kernel)

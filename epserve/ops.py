@@ -91,7 +91,7 @@ def grouped_gemm(sink: str, A, B, C, expert_offsets, num_experts: int, N: int, K
 
 
 def swiglu(h, act, M: int, intermediate: int) -> None:
-    fn = kernels.module("swiglu").get_function("epserve_swiglu")
+    fn = kernels.function("swiglu", "epserve_swiglu")
     pairs = M * intermediate // 2
     blocks = max(1, min(_sm_count(cupy.cuda.runtime.getDevice()) * 8, (pairs + 255) // 256))
     fn((blocks,), (256,), (_ptr(h), _ptr(act), np.int64(M), np.int32(intermediate)))
@@ -105,7 +105,7 @@ def copy_rows(dst, src, dst_idx, src_idx, rows: int, row_bytes: int) -> None:
     """dst[dst_idx[i] or i] = src[src_idx[i] or i]; rows of row_bytes (a multiple of 16)."""
     if rows == 0:
         return
-    fn = kernels.module("rows").get_function("epserve_copy_rows")
+    fn = kernels.function("rows", "epserve_copy_rows")
     fn((_row_grid(rows),), (256,), (_ptr(dst), _ptr(src), _ptr(dst_idx), _ptr(src_idx), np.int32(rows),
                                     np.int32(row_bytes)))
 
@@ -113,7 +113,7 @@ def copy_rows(dst, src, dst_idx, src_idx, rows: int, row_bytes: int) -> None:
 def gather_rows_from_peers(dst, peer_bases, src_rank, src_pos, rows: int, row_bytes: int) -> None:
     if rows == 0:
         return
-    fn = kernels.module("rows").get_function("epserve_gather_rows_from_peers")
+    fn = kernels.function("rows", "epserve_gather_rows_from_peers")
     fn((_row_grid(rows),), (256,), (_ptr(dst), peer_bases, _ptr(src_rank), _ptr(src_pos), np.int32(rows),
                                     np.int32(row_bytes)))
 
@@ -122,7 +122,7 @@ def push_rows_to_peers(C, M: int, H: int, cfg) -> None:
     """The unfused combine over IPC: C's rows into their home ranks' recv slots, signalled."""
     if M == 0:
         return
-    fn = kernels.module("rows").get_function("epserve_push_rows_to_peers")
+    fn = kernels.function("rows", "epserve_push_rows_to_peers")
     blocks = max(1, min(_sm_count(cupy.cuda.runtime.getDevice()) * 4, (M + 31) // 32))
     fn((blocks,), (256,), (_ptr(C), np.int32(M), np.int32(H), cfg))
 
@@ -130,14 +130,14 @@ def push_rows_to_peers(C, M: int, H: int, cfg) -> None:
 def combine_arm(topk_idx, T: int, k: int, experts_per_rank: int, world: int, units_per_slot: int,
                 expected_ptr: int) -> None:
     """expected[s] += units of this call's slots owned by rank s (expected: per-sender array)."""
-    fn = kernels.module("combine").get_function("epserve_combine_arm")
+    fn = kernels.function("combine", "epserve_combine_arm")
     fn((1,), (256,), (_ptr(topk_idx), np.int32(T), np.int32(k), np.int32(experts_per_rank), np.int32(world),
                       np.int32(units_per_slot), np.uint64(expected_ptr)))
 
 
 def combine_reduce(recv, topk_idx, topk_weights, out, T: int, k: int, H: int, world: int, arrive_ptr: int,
                    expected_ptr: int, error_ptr: int, timeout_ns: int, wait: bool) -> None:
-    fn = kernels.module("combine").get_function("epserve_combine_reduce")
+    fn = kernels.function("combine", "epserve_combine_reduce")
     blocks = max(1, min(T, _sm_count(cupy.cuda.runtime.getDevice()) * 8))
     fn((blocks,), (128,), (_ptr(recv), _ptr(topk_idx), _ptr(topk_weights), _ptr(out), np.int32(T), np.int32(k),
                            np.int32(H), np.int32(world), np.uint64(arrive_ptr), np.uint64(expected_ptr),
@@ -145,5 +145,5 @@ def combine_reduce(recv, topk_idx, topk_weights, out, T: int, k: int, H: int, wo
 
 
 def release_recv(peer_ready_table, rank: int, world: int) -> None:
-    fn = kernels.module("combine").get_function("epserve_release_recv")
+    fn = kernels.function("combine", "epserve_release_recv")
     fn((1,), (32,), (peer_ready_table, np.int32(rank), np.int32(world)))

@@ -1,0 +1,113 @@
+"""Host time per layer call, against the GPU's time for the same call, under the launcher:
+
+    python launch/run.py -n 1 -- python -m mpi4py launch/jobs/host_profile.py [--tokens 512] [--calls 50]
+
+At a small layer the GPU finishes before Python has issued the next kernel, so the host's
+work per call (argument packing, tensor maps, kernel lookups, synchronizations) sets the
+layer's time. For each path this prints the GPU time of one call (CUDA events, the stream
+kept busy by a long kernel first, so launch gaps cannot show), the wall time per call of
+back-to-back calls, and cProfile's top functions by own time."""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import cupy
+import numpy as np
+
+from epserve import EPService, MoEConfig
+from epserve import comm as ep_comm
+from epserve.testing import layer_inputs
+
+
+def gpu_ms(fn, iters: int) -> float:
+    """Median GPU time of fn with the host running ahead: a sleep kernel first holds the
+    stream, so every launch of fn is queued before the first one starts."""
+    stream = cupy.cuda.get_current_stream()
+    times = []
+    for _ in range(iters):
+        cupy.cuda.runtime.deviceSynchronize()
+        _spin_gpu(2.0)
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        fn()
+        stop.record(stream)
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return float(np.median(times))
+
+
+_SPIN = cupy.RawKernel(r"""
+extern "C" __global__ void spin(long long ns) {
+  long long start; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  for (;;) { long long now; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); if (now - start > ns) break; }
+}""", "spin")
+
+
+def _spin_gpu(ms: float) -> None:
+    _SPIN((1,), (1,), (np.int64(ms * 1e6),))
+
+
+def wall_ms(fn, calls: int) -> float:
+    cupy.cuda.runtime.deviceSynchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    cupy.cuda.runtime.deviceSynchronize()
+    return (time.perf_counter() - t0) * 1e3 / calls
+
+
+def main():
+    p = argparse.ArgumentParser(prog="launch/jobs/host_profile.py")
+    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args()
+    comm = ep_comm.world()
+    rank, world = comm.Get_rank(), comm.Get_size()
+    cfg = MoEConfig(args.experts, args.top_k, args.hidden, args.intermediate, args.tokens, world_size=world)
+    with EPService(cfg, comm) as svc:
+        mine = layer_inputs(3, [args.tokens] * world, args.experts, args.top_k, args.hidden, args.intermediate)[rank]
+        x, idx, w, w13, w2 = (cupy.asarray(a) for a in (mine.x, mine.topk_idx, mine.topk_weights, mine.w13, mine.w2))
+        d = svc.dispatch(x, idx, w, "direct")
+        paths = {
+            "dispatch direct": lambda: svc.dispatch(x, idx, w, "direct"),
+            "dispatch nccl": lambda: svc.dispatch(x, idx, w, "nccl"),
+            "expert_ffn peer": lambda: svc.expert_ffn(d, w13, w2, "peer"),
+            "forward peer+direct": lambda: svc.forward(x, idx, w, w13, w2, "peer", "direct"),
+            "forward null+nccl": lambda: svc.forward(x, idx, w, w13, w2, "null", "nccl"),
+        }
+        for fn in paths.values():
+            fn()
+        if rank == 0:
+            print(f"# host_profile: {world} rank(s), T={args.tokens} H={args.hidden} I={args.intermediate} "
+                  f"E={args.experts} k={args.top_k}; ms per call")
+            print(f"{'path':<22}{'GPU ms':>9}{'wall ms':>9}")
+        for name, fn in paths.items():
+            g = gpu_ms(fn, 5)
+            wl = wall_ms(fn, args.calls)
+            if rank == 0:
+                print(f"{name:<22}{g:>9.3f}{wl:>9.3f}", flush=True)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.calls):
+            paths["forward peer+direct"]()
+        cupy.cuda.runtime.deviceSynchronize()
+        prof.disable()
+        if rank == 0:
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
+            print(f"# cProfile of {args.calls} forward calls (peer + direct), by own time")
+            print(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()
