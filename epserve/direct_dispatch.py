@@ -25,6 +25,7 @@ from .kernel_structs import pack_dispatch_config
 INPUT_REJECTED = 100  # error code a rank puts in its count row when its own input failed validation
 
 ROUTE_THREADS, ROUTE_WARPS, CHUNK = 1024, 32, 32
+LAYOUT_THREADS = 512  # kLayoutThreads in dispatch.cu: a thread per local expert, up to 512
 
 
 @dataclass
@@ -94,7 +95,7 @@ class DirectDispatcher:
                     (idx_ptr, np.int32(T), np.int32(INPUT_REJECTED if input_error is not None else 0), cfg,
                      self._tok_pos, self._slot_rank, self._chunk_counts), shared_mem=self._route_smem)
         expert_offsets = cupy.empty(self.E // self.world + 1, np.int32)
-        self._layout((1,), (256,), (cfg, expert_offsets, self._base, self._summary))
+        self._layout((1,), (LAYOUT_THREADS,), (cfg, expert_offsets, self._base, self._summary))
         summary = self._read_summary()
         try:
             self._verdict(summary, input_error)

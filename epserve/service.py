@@ -38,7 +38,7 @@ from .signals import SignalBlock
 
 SINKS = ("peer", "null")
 
-MAX_LOCAL_EXPERTS = 512   # EPSERVE_MAX_LOCAL_EXPERTS: the GEMM's tile scheduler keeps a table per expert
+MAX_LOCAL_EXPERTS = 512   # EPSERVE_MAX_LOCAL_EXPERTS (common/types.cuh): the GEMM keeps a table per expert, the dispatch layout a thread
 MAX_EXPERTS = 1024        # the dispatch route kernel keeps per-warp counters for every expert in shared memory
 
 

@@ -36,7 +36,7 @@ for s in "$@"; do
         run)   stage run "^#|^path|^fused|^unfused" make run ;;
         timing) stage timing "^#|^GEMM|^dense|^path|^ *[a-z]" bash -c \
                    "PYTHONPATH=. python3 launch/jobs/time_gemm.py && python3 launch/run.py -n 1 -- python3 -m mpi4py launch/jobs/time_combine.py" ;;
-        bench) stage bench "^#|^[a-z]" make bench NP=$gpus
+        bench) stage bench "^#|^  [a-z]" make bench NP=$gpus
                tar czf "$out/results.tgz" results ;;
         fuzz)  stage fuzz "^# fuzz|^FAIL" make fuzz COUNT=500 ;;
         soak)  stage soak "^# soak" make soak CALLS=1000 ;;

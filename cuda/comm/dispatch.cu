@@ -7,7 +7,8 @@
 //                      position inside each destination's token region, this rank's counts;
 //                      the count row goes to every rank's table, then a release
 //   layout  (1 block)  waits for every rank's count row; expert_offsets, per-source bases,
-//                      and a summary the host reads (rows per rank, error codes)
+//                      and a summary the host reads (rows per rank, error codes); a
+//                      thread per local expert
 //   send               token rows + their routing into the destinations' token regions
 //   expand             waits for the tokens; rows into expert order, with src_info
 //   release            the dispatch buffers may take the next call's rows
@@ -28,10 +29,40 @@ constexpr int kRouteThreads = 1024;
 constexpr int kRouteWarps = kRouteThreads / 32;
 constexpr int kChunk = 32;  // tokens per warp-chunk in route
 
-__device__ __forceinline__ int ld_cg_s32(const int* p) {
-  int v;
-  asm volatile("ld.global.cg.s32 %0, [%1];\n" : "=r"(v) : "l"(p));
-  return v;
+constexpr int kLayoutThreads = EPSERVE_MAX_LOCAL_EXPERTS;
+constexpr int kScanBatch = 16;  // chunk counters in flight per thread in route's scan
+constexpr int kIdBatch = 8;     // tokens whose expert ids route's ranking loads together
+
+// What other GPUs wrote, read from L2 (never a stale L1 line). Not volatile: the reads
+// follow an acquire and a barrier, and the compiler may batch them.
+__device__ __forceinline__ int ld_cg_s32(const int* p) { return __ldcg(p); }
+
+// Exclusive scan of one value per thread over a block of kLayoutThreads; *total gets the sum.
+__device__ int block_exclusive_scan(int v, int* warp_sums, int* total) {
+  constexpr int kWarps = kLayoutThreads / 32;
+  static_assert(kWarps <= 32, "one warp scans the warp sums");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    const int w = lane < kWarps ? warp_sums[lane] : 0;
+    int sum = w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, sum, o);
+      if (lane >= o) sum += y;
+    }
+    if (lane < kWarps) warp_sums[lane] = sum - w;
+    if (lane == 31) *total = sum;
+  }
+  __syncthreads();
+  return warp_sums[warp] + x - v;
 }
 
 }  // namespace
@@ -76,13 +107,19 @@ extern "C" __global__ void __launch_bounds__(kRouteThreads, 1)
   }
   __syncthreads();
 
-  // 2. exclusive scan over chunks, one counter per thread: chunk_counts becomes chunk bases
+  // 2. exclusive scan over chunks, one counter per thread: chunk_counts becomes chunk bases.
+  //    Loads in batches: one at a time, each waited for, this loop took most of route's time.
   for (int i = threadIdx.x; i < width; i += kRouteThreads) {
     int run = 0;
-    for (int c = 0; c < chunks; ++c) {
-      const int v = chunk_counts[c * width + i];
-      chunk_counts[c * width + i] = run;
-      run += v;
+    for (int c0 = 0; c0 < chunks; c0 += kScanBatch) {
+      int v[kScanBatch];
+#pragma unroll
+      for (int u = 0; u < kScanBatch; ++u) v[u] = c0 + u < chunks ? chunk_counts[(c0 + u) * width + i] : 0;
+#pragma unroll
+      for (int u = 0; u < kScanBatch; ++u) {
+        if (c0 + u < chunks) chunk_counts[(c0 + u) * width + i] = run;
+        run += v[u];
+      }
     }
     totals[i] = run;
   }
@@ -93,23 +130,31 @@ extern "C" __global__ void __launch_bounds__(kRouteThreads, 1)
   for (int c = warp; c < chunks; c += kRouteWarps) {
     for (int i = lane; i < width; i += 32) mine[i] = chunk_counts[c * width + i];
     __syncwarp();
-    for (int tt = 0; tt < kChunk; ++tt) {
-      const int t = c * kChunk + tt;
-      if (t >= T) break;
-      const int e = lane < k ? topk_idx[t * k + lane] : -1;
-      const bool valid = e >= 0 && e < E;
-      const unsigned same = __match_any_sync(0xffffffffu, valid ? e : -1 - lane);
-      int r = -1;
-      if (valid) r = mine[e] + __popc(same & ((1u << lane) - 1));
-      if (lane < k) slot_rank[t * k + lane] = r;
-      const unsigned leader = __ffs(same) - 1;
-      __syncwarp();
-      if (valid && lane == static_cast<int>(leader)) mine[e] += __popc(same);
-      for (int d = 0; d < W; ++d) {
-        const unsigned to_d = __ballot_sync(0xffffffffu, valid && e / e_loc == d);
-        if (lane == 0) tok_pos[t * W + d] = to_d ? mine[E + d]++ : -1;
+    for (int t0 = c * kChunk; t0 < min(T, c * kChunk + kChunk); t0 += kIdBatch) {
+      // The ids of kIdBatch tokens in flight together: waited for one token at a time,
+      // these loads set route's pace.
+      int ids[kIdBatch];
+#pragma unroll
+      for (int u = 0; u < kIdBatch; ++u) ids[u] = lane < k && t0 + u < T ? topk_idx[(t0 + u) * k + lane] : -1;
+#pragma unroll
+      for (int u = 0; u < kIdBatch; ++u) {
+        const int t = t0 + u;
+        if (t >= T) break;
+        const int e = ids[u];
+        const bool valid = e >= 0 && e < E;
+        const unsigned same = __match_any_sync(0xffffffffu, valid ? e : -1 - lane);
+        int r = -1;
+        if (valid) r = mine[e] + __popc(same & ((1u << lane) - 1));
+        if (lane < k) slot_rank[t * k + lane] = r;
+        const unsigned leader = __ffs(same) - 1;
+        __syncwarp();
+        if (valid && lane == static_cast<int>(leader)) mine[e] += __popc(same);
+        for (int d = 0; d < W; ++d) {
+          const unsigned to_d = __ballot_sync(0xffffffffu, valid && e / e_loc == d);
+          if (lane == 0) tok_pos[t * W + d] = to_d ? mine[E + d]++ : -1;
+        }
+        __syncwarp();
       }
-      __syncwarp();
     }
   }
   __syncthreads();
@@ -140,10 +185,14 @@ extern "C" __global__ void __launch_bounds__(kRouteThreads, 1)
 
 // summary: [0, W) rows each rank receives; [W, 2W) each rank's error code; [2W] token rows
 // arriving here; [2W + 1] 1 if the wait for some rank's count row ran out.
-extern "C" __global__ void epserve_dispatch_layout(const DispatchConfig cfg, int* __restrict__ expert_offsets,
-                                                   int* __restrict__ base, int* __restrict__ summary) {
+extern "C" __global__ void __launch_bounds__(kLayoutThreads, 1)
+    epserve_dispatch_layout(const DispatchConfig cfg, int* __restrict__ expert_offsets, int* __restrict__ base,
+                            int* __restrict__ summary) {
   const int E = cfg.num_experts, W = cfg.world, e_loc = E / W, row = E + W + 1;
-  __shared__ int arrived;
+  __shared__ int arrived, total_rows;
+  __shared__ int rows_to[EPSERVE_MAX_PEERS];
+  __shared__ int warp_sums[kLayoutThreads / 32];
+  if (threadIdx.x < EPSERVE_MAX_PEERS) rows_to[threadIdx.x] = 0;
   if (threadIdx.x == 0) {
     arrived = 1;
     for (int s = 0; s < W && arrived; ++s) {
@@ -155,26 +204,45 @@ extern "C" __global__ void epserve_dispatch_layout(const DispatchConfig cfg, int
   __syncthreads();
   if (!arrived) return;
   const int* table = cfg.count_table[cfg.rank];
-  for (int d = threadIdx.x; d < W; d += blockDim.x) {
+  const int e = threadIdx.x, lane = threadIdx.x & 31;  // local expert e of every rank
+  const bool expert = e < e_loc;
+  // Rows every rank receives: thread e adds expert e of each destination over the sources.
+#pragma unroll
+  for (int d = 0; d < EPSERVE_MAX_PEERS; ++d) {
+    if (d >= W) break;
     int rows = 0;
-    for (int s = 0; s < W; ++s)
-      for (int e = 0; e < e_loc; ++e) rows += ld_cg_s32(table + s * row + d * e_loc + e);
-    summary[d] = rows;
-    summary[W + d] = ld_cg_s32(table + d * row + E + W);
+    for (int s = 0; expert && s < W; ++s) rows += ld_cg_s32(table + s * row + d * e_loc + e);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) rows += __shfl_down_sync(0xffffffffu, rows, o);
+    if (lane == 0 && rows) atomicAdd(&rows_to[d], rows);
   }
-  if (threadIdx.x == 0) {
+  // This rank's layout: expert e's rows from source 0, then from source 1, ...
+  int from[EPSERVE_MAX_PEERS];
+  int mine = 0;
+#pragma unroll
+  for (int s = 0; s < EPSERVE_MAX_PEERS; ++s) {
+    from[s] = expert && s < W ? ld_cg_s32(table + s * row + cfg.rank * e_loc + e) : 0;
+    mine += from[s];
+  }
+  int run = block_exclusive_scan(mine, warp_sums, &total_rows);  // its barriers also order rows_to
+  if (expert) {
+    expert_offsets[e] = run;
+#pragma unroll
+    for (int s = 0; s < EPSERVE_MAX_PEERS; ++s) {
+      if (s >= W) break;
+      base[s * e_loc + e] = run;
+      run += from[s];
+    }
+  }
+  if (e == 0) expert_offsets[e_loc] = total_rows;
+  if (e < W) {
+    summary[e] = rows_to[e];
+    summary[W + e] = ld_cg_s32(table + e * row + E + W);
+  }
+  if (e == 0) {
     int tokens = 0;
     for (int s = 0; s < W; ++s) tokens += ld_cg_s32(table + s * row + E + cfg.rank);
     summary[2 * W] = tokens;
-    int run = 0;
-    for (int e = 0; e < e_loc; ++e) {
-      expert_offsets[e] = run;
-      for (int s = 0; s < W; ++s) {
-        base[s * e_loc + e] = run;
-        run += ld_cg_s32(table + s * row + cfg.rank * e_loc + e);
-      }
-    }
-    expert_offsets[e_loc] = run;
   }
 }
 

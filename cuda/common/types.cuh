@@ -10,3 +10,7 @@ typedef unsigned long long uintptr_t;
 
 // bf16 travels as its 16-bit storage; arithmetic happens in fp32.
 typedef uint16_t bf16_t;
+
+// Local experts one rank may hold: the GEMM's tile scheduler keeps a table per expert and
+// the dispatch layout gives each its own thread (epserve.service.MAX_LOCAL_EXPERTS).
+#define EPSERVE_MAX_LOCAL_EXPERTS 512

@@ -6,7 +6,6 @@
 #pragma once
 #include "common/types.cuh"
 
-#define EPSERVE_MAX_LOCAL_EXPERTS 512
 
 namespace epserve {
 

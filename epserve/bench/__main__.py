@@ -61,7 +61,7 @@ def machine_info(comm, svc, rates):
     props = cupy.cuda.runtime.getDeviceProperties(svc.device)
     names = comm.allgather(props["name"].decode())
     info.update(
-        world_size=comm.Get_size(), gpus=names,
+        world_size=comm.Get_size(), gpus=names, link=comm.Get_size() > 1 and not svc.shared_gpu,
         driver=cupy.cuda.runtime.driverGetVersion(), cuda=cupy.cuda.runtime.runtimeGetVersion(),
         cupy=cupy.__version__, nccl=_nccl_version(),
         transport=f"{svc.transport} ({'ranks share one GPU: no NVLink, times are not performance' if svc.shared_gpu else 'one GPU per rank'})",

@@ -26,7 +26,7 @@ NO_VALUE = "-"           # the path ran, but this column has no meaning for it
 # Keys of `info` that preamble formats itself; any other key gets a "# key: value" line.
 _VERSIONS = (("epserve", "epserve"), ("cupy", "CuPy"), ("nccl", "NCCL"), ("cuda", "CUDA"),
              ("driver", "driver"))
-_KNOWN_KEYS = {"date", "command", "world_size", "gpus", "limits"} | {key for key, _ in _VERSIONS}
+_KNOWN_KEYS = {"date", "command", "world_size", "gpus", "limits", "link"} | {key for key, _ in _VERSIONS}
 
 
 def base_info(rates: Rates | None = None, argv=None) -> dict:
@@ -63,7 +63,9 @@ def preamble(info: dict) -> list[str]:
         rates = Rates(**limits)
         lines.append(f"# measured limits per GPU: GEMM {rates.gemm_flop_s / 1e12:.1f} TFLOP/s, "
                      f"HBM copy {rates.copy_bytes_s / 1e9:.0f} GB/s, "
-                     f"NVLink peer store {rates.peer_bytes_s / 1e9:.1f} GB/s per direction")
+                     + (f"NVLink peer store {rates.peer_bytes_s / 1e9:.1f} GB/s per direction"
+                        if info.get("link", True) else
+                        "no link (one rank, or ranks sharing a GPU): the peer rate is taken to be the copy rate"))
     else:
         lines.append(f"# measured limits: {NOT_RECORDED} (floor and x floor cannot be computed)")
     lines += [f"# {key}: {value}" for key, value in info.items() if key not in _KNOWN_KEYS]

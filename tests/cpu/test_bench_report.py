@@ -87,6 +87,14 @@ def test_preamble():
     assert "# iterations: 20" in text and "# python: " in text
 
 
+def test_preamble_without_a_link_says_so():
+    info = report.base_info(RATES, argv=["bench.py"])
+    info.update(world_size=1, link=False)
+    text = "\n".join(report.preamble(info))
+    assert "NVLink peer store" not in text and "no link (one rank" in text
+    assert "# link:" not in text
+
+
 def test_preamble_says_what_was_not_recorded():
     text = "\n".join(report.preamble({}))
     assert "# measured limits: not recorded" in text

@@ -26,5 +26,5 @@ def test_python_limit_matches_the_cuda_define():
 
     from epserve.build import CUDA_ROOT
 
-    text = (CUDA_ROOT / "gemm" / "tile_scheduler.cuh").read_text()
+    text = (CUDA_ROOT / "common" / "types.cuh").read_text()
     assert int(re.search(r"#define EPSERVE_MAX_LOCAL_EXPERTS (\d+)", text).group(1)) == MAX_LOCAL_EXPERTS
