@@ -30,8 +30,6 @@ constexpr int kRouteWarps = kRouteThreads / 32;
 constexpr int kChunk = 32;  // tokens per warp-chunk in route
 
 constexpr int kLayoutThreads = EPSERVE_MAX_LOCAL_EXPERTS;
-constexpr int kScanBatch = 16;  // chunk counters in flight per thread in route's scan
-constexpr int kIdBatch = 8;     // tokens whose expert ids route's ranking loads together
 
 // What other GPUs wrote, read from L2 (never a stale L1 line). Not volatile: the reads
 // follow an acquire and a barrier, and the compiler may batch them.
@@ -107,19 +105,13 @@ extern "C" __global__ void __launch_bounds__(kRouteThreads, 1)
   }
   __syncthreads();
 
-  // 2. exclusive scan over chunks, one counter per thread: chunk_counts becomes chunk bases.
-  //    Loads in batches: one at a time, each waited for, this loop took most of route's time.
+  // 2. exclusive scan over chunks, one counter per thread: chunk_counts becomes chunk bases
   for (int i = threadIdx.x; i < width; i += kRouteThreads) {
     int run = 0;
-    for (int c0 = 0; c0 < chunks; c0 += kScanBatch) {
-      int v[kScanBatch];
-#pragma unroll
-      for (int u = 0; u < kScanBatch; ++u) v[u] = c0 + u < chunks ? chunk_counts[(c0 + u) * width + i] : 0;
-#pragma unroll
-      for (int u = 0; u < kScanBatch; ++u) {
-        if (c0 + u < chunks) chunk_counts[(c0 + u) * width + i] = run;
-        run += v[u];
-      }
+    for (int c = 0; c < chunks; ++c) {
+      const int v = chunk_counts[c * width + i];
+      chunk_counts[c * width + i] = run;
+      run += v;
     }
     totals[i] = run;
   }
@@ -130,31 +122,23 @@ extern "C" __global__ void __launch_bounds__(kRouteThreads, 1)
   for (int c = warp; c < chunks; c += kRouteWarps) {
     for (int i = lane; i < width; i += 32) mine[i] = chunk_counts[c * width + i];
     __syncwarp();
-    for (int t0 = c * kChunk; t0 < min(T, c * kChunk + kChunk); t0 += kIdBatch) {
-      // The ids of kIdBatch tokens in flight together: waited for one token at a time,
-      // these loads set route's pace.
-      int ids[kIdBatch];
-#pragma unroll
-      for (int u = 0; u < kIdBatch; ++u) ids[u] = lane < k && t0 + u < T ? topk_idx[(t0 + u) * k + lane] : -1;
-#pragma unroll
-      for (int u = 0; u < kIdBatch; ++u) {
-        const int t = t0 + u;
-        if (t >= T) break;
-        const int e = ids[u];
-        const bool valid = e >= 0 && e < E;
-        const unsigned same = __match_any_sync(0xffffffffu, valid ? e : -1 - lane);
-        int r = -1;
-        if (valid) r = mine[e] + __popc(same & ((1u << lane) - 1));
-        if (lane < k) slot_rank[t * k + lane] = r;
-        const unsigned leader = __ffs(same) - 1;
-        __syncwarp();
-        if (valid && lane == static_cast<int>(leader)) mine[e] += __popc(same);
-        for (int d = 0; d < W; ++d) {
-          const unsigned to_d = __ballot_sync(0xffffffffu, valid && e / e_loc == d);
-          if (lane == 0) tok_pos[t * W + d] = to_d ? mine[E + d]++ : -1;
-        }
-        __syncwarp();
+    for (int tt = 0; tt < kChunk; ++tt) {
+      const int t = c * kChunk + tt;
+      if (t >= T) break;
+      const int e = lane < k ? topk_idx[t * k + lane] : -1;
+      const bool valid = e >= 0 && e < E;
+      const unsigned same = __match_any_sync(0xffffffffu, valid ? e : -1 - lane);
+      int r = -1;
+      if (valid) r = mine[e] + __popc(same & ((1u << lane) - 1));
+      if (lane < k) slot_rank[t * k + lane] = r;
+      const unsigned leader = __ffs(same) - 1;
+      __syncwarp();
+      if (valid && lane == static_cast<int>(leader)) mine[e] += __popc(same);
+      for (int d = 0; d < W; ++d) {
+        const unsigned to_d = __ballot_sync(0xffffffffu, valid && e / e_loc == d);
+        if (lane == 0) tok_pos[t * W + d] = to_d ? mine[E + d]++ : -1;
       }
+      __syncwarp();
     }
   }
   __syncthreads();
