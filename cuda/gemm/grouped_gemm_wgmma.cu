@@ -105,10 +105,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       if (warp >= 1 && warp <= kCWriterWarps) {
         const int lane = threadIdx.x % 32;
         CMailbox::serve(&mailbox, [&](const SendMailbox& m) {
-          if (lane * 8 >= m.cols) return;  // N is a multiple of 64: whole 16-byte chunks
-          for (int r = warp - 1; r < m.rows; r += kCWriterWarps)
-            st_global_v4(C + static_cast<long long>(m.m_abs + r) * N + m.n_abs + lane * 8,
-                         ld_shared_v4(out_tile + r * kTileLd + lane * 8));
+          if (lane * 8 < m.cols) {  // N is a multiple of 64: whole 16-byte chunks
+            for (int r = warp - 1; r < m.rows; r += kCWriterWarps)
+              st_global_v4(C + static_cast<long long>(m.m_abs + r) * N + m.n_abs + lane * 8,
+                           ld_shared_v4(out_tile + r * kTileLd + lane * 8));
+          }
         });
       }
     }

@@ -39,6 +39,7 @@ struct TileMailbox {
       const SendMailbox m = *box;
       if (m.done) return;
       write_out(m);
+      __syncwarp();  // bar.sync is .aligned: every lane of the warp arrives together (synccheck)
       epserve::named_barrier_sync<kDrainBarrier, kParties>();
     }
   }
