@@ -134,6 +134,14 @@ __device__ __forceinline__ void named_barrier_sync() {
     asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
   }
 }
+// The same, for a barrier whose participants reach it from different code (warp roles):
+// bar.sync is barrier.sync.aligned, which promises that every participant of a generation
+// executes the same barrier instruction; compute-sanitizer's synccheck holds code to that.
+template <int kId, int kThreads>
+__device__ __forceinline__ void named_barrier_sync_across_roles() {
+  static_assert(kId > 0 && kThreads % 32 == 0, "a named barrier of whole warps");
+  asm volatile("barrier.sync %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
+}
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs)); }
 template <int kRegs>

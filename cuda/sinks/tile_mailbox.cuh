@@ -8,7 +8,8 @@
 // hides behind the MMA; the workers go from kDrain straight to kFull, so the output warps'
 // kFull never waits (a bar.arrive would gain nothing, and full barriers on both sides order
 // the mailbox for every reader, compute-sanitizer's racecheck included). shutdown drains
-// the last tile and posts `done`, so both barriers are matched when the kernel ends.
+// the last tile and posts `done`, so both barriers are matched when the kernel ends. The
+// two sides reach each barrier from different code, so they are unaligned barriers.
 #pragma once
 #include "common/ptx.cuh"
 #include "sinks/smem_tile.cuh"
@@ -25,22 +26,22 @@ struct TileMailbox {
   // barrier also makes every output thread's tile writes visible to the workers.
   __device__ static void hand_over(SendMailbox* box, const SmemTile& tile, int m_abs, int n_abs, int tid) {
     if (tid == 0) *box = SendMailbox{m_abs, n_abs, tile.rows, tile.cols, 0};
-    epserve::named_barrier_sync<kFullBarrier, kParties>();
+    epserve::named_barrier_sync_across_roles<kFullBarrier, kParties>();
   }
 
   // Output warps: wait until the workers are done with the previous tile.
-  __device__ static void drain() { epserve::named_barrier_sync<kDrainBarrier, kParties>(); }
+  __device__ static void drain() { epserve::named_barrier_sync_across_roles<kDrainBarrier, kParties>(); }
 
   // Workers: write_out(mailbox) for every tile handed over, until `done`.
   template <class WriteOut>
   __device__ static void serve(const SendMailbox* box, WriteOut&& write_out) {
     for (;;) {
-      epserve::named_barrier_sync<kFullBarrier, kParties>();
+      epserve::named_barrier_sync_across_roles<kFullBarrier, kParties>();
       const SendMailbox m = *box;
       if (m.done) return;
       write_out(m);
-      __syncwarp();  // bar.sync is .aligned: every lane of the warp arrives together (synccheck)
-      epserve::named_barrier_sync<kDrainBarrier, kParties>();
+      __syncwarp();  // the warp's lanes arrive at the drain together
+      epserve::named_barrier_sync_across_roles<kDrainBarrier, kParties>();
     }
   }
 
@@ -48,6 +49,6 @@ struct TileMailbox {
   __device__ static void shutdown(SendMailbox* box, bool drain_pending, int tid) {
     if (drain_pending) drain();
     if (tid == 0) box->done = 1;
-    epserve::named_barrier_sync<kFullBarrier, kParties>();
+    epserve::named_barrier_sync_across_roles<kFullBarrier, kParties>();
   }
 };
