@@ -20,12 +20,12 @@ import numpy as np
 from . import kernels
 from . import signals as sig
 from .errors import ConfigError, RankFailedError
-from .kernel_structs import pack_dispatch_config
+from .kernel_structs import MAX_LOCAL_EXPERTS, pack_dispatch_config
 
 INPUT_REJECTED = 100  # error code a rank puts in its count row when its own input failed validation
 
 ROUTE_THREADS, ROUTE_WARPS, CHUNK = 1024, 32, 32
-LAYOUT_THREADS = 512  # kLayoutThreads in dispatch.cu: a thread per local expert, up to 512
+LAYOUT_THREADS = MAX_LOCAL_EXPERTS  # kLayoutThreads in dispatch.cu: a thread per local expert
 
 
 @dataclass

@@ -10,6 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 MAX_PEERS = 8  # EPSERVE_MAX_PEERS
+# EPSERVE_MAX_LOCAL_EXPERTS (common/types.cuh): the GEMM keeps a table per local expert, the
+# dispatch layout kernel a thread
+MAX_LOCAL_EXPERTS = 512
 
 PEER_SEND_CONFIG = np.dtype(
     [

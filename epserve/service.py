@@ -31,6 +31,7 @@ from .device_plan import DevicePlan
 from .direct_dispatch import DirectDispatcher, Dispatched
 from .dispatch import Dispatcher
 from .errors import ConfigError
+from .kernel_structs import MAX_LOCAL_EXPERTS
 from .layout import count_recv_rows, plan_dispatch
 from .nccl_transport import gpus_shared, make_nccl
 from .peers import PeerGroup
@@ -38,7 +39,6 @@ from .signals import SignalBlock
 
 SINKS = ("peer", "null")
 
-MAX_LOCAL_EXPERTS = 512   # EPSERVE_MAX_LOCAL_EXPERTS (common/types.cuh): the GEMM keeps a table per expert, the dispatch layout a thread
 MAX_EXPERTS = 1024        # the dispatch route kernel keeps per-warp counters for every expert in shared memory
 
 

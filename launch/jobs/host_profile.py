@@ -26,7 +26,9 @@ from epserve.testing import layer_inputs
 
 def gpu_ms(fn, iters: int) -> float:
     """Median GPU time of fn with the host running ahead: a sleep kernel first holds the
-    stream, so every launch of fn is queued before the first one starts."""
+    stream, so every launch of fn is queued before the first one starts. A path that
+    synchronizes inside (dispatch reads a count on the host) still shows the host's time
+    after that point."""
     stream = cupy.cuda.get_current_stream()
     times = []
     for _ in range(iters):
