@@ -21,6 +21,8 @@ DISPATCH_SOURCE = "comm/dispatch.cu"
 VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     **{f"gemm_{sink}": (GEMM_SOURCE, {"EPSERVE_SINK": cls}) for sink, cls in SINKS.items()},
     **{f"gemm_wgmma_{sink}": (WGMMA_GEMM_SOURCE, {"EPSERVE_SINK": cls}) for sink, cls in SINKS.items()},
+    # GEMM 1 with SwiGLU in its epilogue: act stays on this GPU, so its sink is the null one
+    "gemm1_wgmma_swiglu": (WGMMA_GEMM_SOURCE, {"EPSERVE_SINK": SINKS["null"], "EPSERVE_GEMM_SWIGLU": 1}),
     "combine": (COMBINE_SOURCE, {}),
     "rows": (ROWS_SOURCE, {}),
     "swiglu": (SWIGLU_SOURCE, {}),

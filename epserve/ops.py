@@ -37,12 +37,9 @@ def _module_int(mod, name: str) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _gemm_kernel(sink: str, impl: str, device: int):
-    if impl == "mma":
-        mod, name = kernels.module(f"gemm_{sink}"), "epserve_grouped_gemm"
-    else:
-        mod, name = kernels.module(f"gemm_wgmma_{sink}"), "epserve_grouped_gemm_wgmma"
-    fn = mod.get_function(name)
+def _gemm_kernel(variant: str, kernel: str, device: int):
+    mod = kernels.module(variant)
+    fn = mod.get_function(kernel)
     smem = _module_int(mod, "epserve_gemm_smem_bytes")
     threads = _module_int(mod, "epserve_gemm_threads")
     fn.max_dynamic_shared_size_bytes = smem
@@ -72,21 +69,49 @@ def grouped_gemm(sink: str, A, B, C, expert_offsets, num_experts: int, N: int, K
     if cfg is None:
         assert sink == "null", "the peer sink needs its PeerSendConfig"
         cfg = _NO_PEERS
-    assert K % 64 == 0 and N % 64 == 0, (N, K)
-    device = cupy.cuda.runtime.getDevice()
+    assert K % 64 == 0 and K > 0 and N % 64 == 0, (N, K)
     impl = impl or gemm_impl()
-    fn, smem, threads = _gemm_kernel(sink, impl, device)
     if impl == "mma":
+        device = cupy.cuda.runtime.getDevice()
+        fn, smem, threads = _gemm_kernel(f"gemm_{sink}", "epserve_grouped_gemm", device)
         args = (_ptr(A), _ptr(B), _ptr(C), _ptr(expert_offsets), np.int32(num_experts), np.int32(N), np.int32(K),
                 cfg, np.int32(gate))
+        fn((_sm_count(device),), (threads,), args, shared_mem=smem)
     else:
+        _wgmma_gemm(f"gemm_wgmma_{sink}", A, B, num_experts * N, C, expert_offsets, num_experts, N, K, cfg, gate)
+
+
+def gemm1_swiglu(A, w13, act, expert_offsets, num_experts: int, intermediate: int, hidden: int,
+                 impl: str | None = None) -> None:
+    """act[m] = silu(g) * u with [g | u] = A[m] @ w13[e]^T rounded to bf16, per expert: GEMM 1
+    and SwiGLU. A [M, H], w13 [E, 2I, H] (gate rows, then up rows), act [M, I]. The wgmma
+    GEMM applies SwiGLU in its epilogue; the mma.sync one stores [M, 2I] for the SwiGLU
+    kernel. Both give the same bits."""
+    I, H = intermediate, hidden
+    assert H % 64 == 0 and H > 0 and I % 64 == 0, (I, H)
+    if (impl or gemm_impl()) == "mma":
         M = A.shape[0]
-        if M == 0:
-            return  # no rows, no tiles (and a tensor map cannot have an empty dimension)
-        map_a = tma.bf16_rows_map(A.data.ptr, M, K, box_rows=128)
-        map_b = tma.bf16_rows_map(B.data.ptr, num_experts * N, K, box_rows=256)
-        args = (map_a, map_b, _ptr(C), _ptr(expert_offsets), np.int32(num_experts), np.int32(N), np.int32(K), cfg,
-                np.int32(gate))
+        h = cupy.empty((M, 2 * I), A.dtype)
+        grouped_gemm("null", A, w13, h, expert_offsets, num_experts, 2 * I, H, impl="mma")
+        swiglu(h, act, M, I)
+    else:
+        _wgmma_gemm("gemm1_wgmma_swiglu", A, w13, num_experts * 2 * I, act, expert_offsets, num_experts, I, H,
+                    _NO_PEERS, 0)
+
+
+def _wgmma_gemm(variant: str, A, B, b_rows: int, C, expert_offsets, num_experts: int, N: int, K: int, cfg,
+                gate: int) -> None:
+    M = A.shape[0]
+    if M == 0:
+        return  # no rows, no tiles (and a tensor map cannot have an empty dimension)
+    device = cupy.cuda.runtime.getDevice()
+    fn, smem, threads = _gemm_kernel(variant, "epserve_grouped_gemm_wgmma", device)
+    # A in 64-row boxes, one per consumer warpgroup; B in boxes of the rows one tile's
+    # accumulator columns take: 256, or 128 gate + 128 up rows with SwiGLU.
+    map_a = tma.bf16_rows_map(A.data.ptr, M, K, box_rows=64)
+    map_b = tma.bf16_rows_map(B.data.ptr, b_rows, K, box_rows=128 if variant == "gemm1_wgmma_swiglu" else 256)
+    args = (map_a, map_b, _ptr(C), _ptr(expert_offsets), np.int32(num_experts), np.int32(N), np.int32(K), cfg,
+            np.int32(gate))
     fn((_sm_count(device),), (threads,), args, shared_mem=smem)
 
 

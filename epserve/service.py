@@ -180,11 +180,8 @@ class EPService:
     def _expert_ffn(self, d: DispatchResult, w13, w2, sink, out, gate):
         c = self.config
         M, I, H, e_loc = d.num_rows, c.intermediate, c.hidden, c.experts_per_rank
-        h = cupy.empty((M, 2 * I), BF16)
-        ops.grouped_gemm("null", d.rows, w13, h, d.expert_offsets, e_loc, 2 * I, H)
         act = cupy.empty((M, I), BF16)
-        ops.swiglu(h, act, M, I)
-        del h
+        ops.gemm1_swiglu(d.rows, w13, act, d.expert_offsets, e_loc, I, H)
         comb = self.combiner
         if gate < 0:
             comb.gemm_only(act, w2, self._send_plan(d), I)

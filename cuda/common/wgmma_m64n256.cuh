@@ -1,12 +1,13 @@
 // wgmma m64n256k16, bf16 x bf16 -> fp32, both operands K-major from shared-memory
-// descriptors, accumulating into d (scale-d = 1). The 128 accumulator operands are written
-// out: inline asm has no loops.
+// descriptors: d = a * b + (accumulate ? d : 0). The first k-step of a tile passes
+// accumulate = 0, so the accumulators need no zeroing. The 128 accumulator operands are
+// written out: inline asm has no loops.
 #pragma once
 #include "common/types.cuh"
 
 namespace epserve {
 
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b) {
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
@@ -36,7 +37,7 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_
         "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "n"(1));
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
 }  // namespace epserve

@@ -1,5 +1,8 @@
 // act[m, i] = silu(h[m, i]) * h[m, I + i] with h = [gate | up] from GEMM 1; fp32 math, bf16 out.
-#include "common/bf16.cuh"
+// The layer's GEMM 1 applies SwiGLU in its epilogue (gemm/grouped_gemm_wgmma.cu); this
+// kernel serves the mma.sync GEMM and is the two-kernel reference the fused one is checked
+// against.
+#include "ffn/swiglu.cuh"
 
 using namespace epserve;
 
@@ -11,9 +14,6 @@ extern "C" __global__ void epserve_swiglu(const bf16_t* __restrict__ h, bf16_t* 
     const int i = static_cast<int>(2 * p - m * I);
     const uint32_t g = *reinterpret_cast<const uint32_t*>(h + m * 2 * I + i);
     const uint32_t u = *reinterpret_cast<const uint32_t*>(h + m * 2 * I + I + i);
-    const float g0 = bf16_lo(g), g1 = bf16_hi(g);
-    const float a0 = g0 / (1.f + __expf(-g0)) * bf16_lo(u);
-    const float a1 = g1 / (1.f + __expf(-g1)) * bf16_hi(u);
-    *reinterpret_cast<uint32_t*>(act + 2 * p) = pack_bf16x2(a0, a1);
+    *reinterpret_cast<uint32_t*>(act + 2 * p) = swiglu_bf16x2(g, u);
   }
 }

@@ -39,14 +39,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
                          const PeerSendConfig cfg, int gate) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   __shared__ int mtile_prefix[EPSERVE_MAX_LOCAL_EXPERTS + 1];
-  __shared__ int offsets[EPSERVE_MAX_LOCAL_EXPERTS + 1];
   bf16_t* ring = reinterpret_cast<bf16_t*>(smem_raw);
   bf16_t* out_tile = ring + Mainloop::kSmemBytes / 2;
   const int tid = threadIdx.x;
 
   Scheduler sched;
-  sched.init(expert_offsets, num_experts, N, mtile_prefix, offsets);
-  const int M = offsets[num_experts];
+  sched.init(expert_offsets, num_experts, N, mtile_prefix);
+  const int M = __ldg(expert_offsets + num_experts);
   const int k_slices = K / kBK;
 
   auto operands = [&](const epserve::GroupedTile& t, const bf16_t*& a, int& rows_a, const bf16_t*& b, int& rows_b) {

@@ -5,23 +5,34 @@
 // to the sink chosen by -DEPSERVE_SINK (NullPeerSink stores C; EpPeerSink sends the rows
 // home and C may be null).
 //
-// Tile 128 x 256 x 64: consumer warpgroup w computes rows 64w..64w+63 of the tile with
-// wgmma m64n256k16. The third warpgroup is the producer: its first warp issues the TMA
-// loads, and with a sink that asks for send warps (EpPeerSink: 3) the other three scatter
-// each finished tile while the consumers go on with the next tile's mainloop (the hand-over
-// protocol is in sinks/ep_peer_sink.cuh). Three warpgroups keep the kernel's register cap at
-// 168, which the 128 accumulators of m64n256 need; setmaxnreg then moves registers from
-// the producer warpgroup to the consumers. A and B arrive through 2-D tensor maps (box 64 x 128 over A [M, K],
-// 64 x 256 over B viewed as [E * N, K]) with 128-byte swizzle; rows past the end of A read
-// as zeros, rows of the next expert's weights past N compute columns the store masks.
+// -DEPSERVE_GEMM_SWIGLU=1 builds GEMM 1 with SwiGLU in its epilogue: B is w13 [E, 2N, K]
+// (gate rows, then up rows) and C is act [M, N]. A tile loads N-tile n's 128 gate rows and
+// the matching 128 up rows into one 256-row B stage, so every thread holds gate and up of
+// the same columns in its accumulators and writes silu(gate) * up; the [M, 2N] product is
+// never stored. Gate and up are rounded to bf16 first, as GEMM 1's output is defined.
 //
-// The epilogue never stalls the math on global stores: the consumers write the tile to
-// shared memory and hand it to three writer warps of the producer warpgroup through the
-// mailbox of sinks/tile_mailbox.cuh. With EpPeerSink they are its send warps; in the null
-// build they store C (row by row, a warp per row, 512-byte coalesced stores).
+// Tile 128 x 256 x 64: consumer warpgroup w computes rows 64w..64w+63 of the tile with
+// wgmma m64n256k16, and only if the tile has rows there: an expert's tail of at most 64 rows
+// costs one warpgroup's MMA, not two. The third warpgroup is the producer: its first warp
+// issues the TMA loads, and the other three write each finished tile out while the
+// consumers go on with the next tile's mainloop (the hand-over is sinks/tile_mailbox.cuh):
+// with EpPeerSink they are its send warps, in the null build they store C (16-byte stores,
+// whole rows per warp). Three warpgroups keep the kernel's register cap at 168, which the
+// 128 accumulators of m64n256 need; setmaxnreg then moves registers from the producer
+// warpgroup to the consumers. A arrives through a 2-D tensor map in 64-row boxes (one per
+// warpgroup), B through one over [E * rows per expert, K], both with 128-byte swizzle; rows
+// past the end of A read as zeros, rows of the next expert (or the up rows) past N compute
+// columns the store masks.
+//
+// Pipeline depth: the ring has as many stages as shared memory holds beside the output tile
+// (4 with SwiGLU's 128-column tile, 3 with a 256-column one). With 4 or more, a consumer
+// keeps one k-slice's wgmmas in flight while it issues the next (wgmma.wait_group 1) and
+// frees a stage only when its wgmmas are done; with 3 that would leave the producer a single
+// stage to fill, so it waits for each slice (depth 0). -DEPSERVE_WGMMA_DEPTH overrides it.
 #include "common/bf16.cuh"
 #include "common/ptx.cuh"
 #include "common/wgmma_m64n256.cuh"
+#include "ffn/swiglu.cuh"
 #include "gemm/tile_scheduler.cuh"
 #include "sinks/ep_peer_sink.cuh"
 #include "sinks/null_peer_sink.cuh"
@@ -30,12 +41,18 @@
 #ifndef EPSERVE_SINK
 #error "build with -DEPSERVE_SINK=NullPeerSink or -DEPSERVE_SINK=EpPeerSink"
 #endif
+#ifndef EPSERVE_GEMM_SWIGLU
+#define EPSERVE_GEMM_SWIGLU 0
+#endif
 
 namespace {
 
 using Sink = EPSERVE_SINK;
 using namespace epserve;
-constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 3;
+constexpr bool kSwiGLU = EPSERVE_GEMM_SWIGLU != 0;
+static_assert(!(kSwiGLU && Sink::kEnabled), "GEMM 1 keeps act on this GPU: its sink is the null one");
+constexpr int kBM = 128, kBN = 256, kBK = 64;      // kBN: accumulator columns of a tile
+constexpr int kOutCols = kSwiGLU ? kBN / 2 : kBN;  // output columns of a tile
 constexpr int kConsumers = 2, kConsumerThreads = 128 * kConsumers;
 constexpr int kThreads = 128 * (kConsumers + 1);
 constexpr int kProducerWarpgroup = kConsumers;
@@ -50,12 +67,45 @@ using CMailbox = TileMailbox<kConsumerThreads, kCWriterWarps * 32>;
 constexpr int kLightRegs = 40, kConsumerRegs = 232;
 static_assert(kConsumers * 128 * kConsumerRegs + 128 * kLightRegs <= 65536, "registers");
 static_assert(Sink::kSendWarps <= 3, "the send warps share the producer warpgroup with the TMA warp");
+constexpr int kHalfA = 64 * kBK * 2;  // one warpgroup's 64 rows of an A stage: one TMA box
 constexpr int kStageA = kBM * kBK * 2, kStageB = kBN * kBK * 2;  // bytes
-constexpr int kTileLd = kBN + 8;  // 16 bytes of padding per row keep the epilogue's writes conflict-free
-constexpr int kTileBytes = kBM * kTileLd * 2;
-constexpr int kSmemBytes = 1024 /* alignment slack */ + kStages * (kStageA + kStageB) + kTileBytes + 2 * kStages * 8;
+
+// The finished tile in shared memory, kBM rows of kOutCols bf16. Padded rows (16 bytes
+// each) keep the consumers' 4-byte writes free of bank conflicts, and the peer sink reads
+// rows by stride. The SwiGLU build needs those bytes for a fourth stage, so it packs the
+// rows and rotates each row's 16-byte chunks by row % 8 instead, which spreads the same
+// writes over all 32 banks.
+struct OutTile {
+  static constexpr bool kSwizzled = kSwiGLU;
+  static constexpr int kLd = kSwizzled ? kOutCols : kOutCols + 8;
+  static constexpr int kBytes = kBM * kLd * 2;
+  // Element offset of (row, col); the 8 columns of a 16-byte chunk stay together.
+  __device__ static int offset(int row, int col) {
+    if constexpr (kSwizzled) return row * kLd + (((col >> 3) ^ (row & 7)) << 3) + (col & 7);
+    return row * kLd + col;
+  }
+};
+static_assert(!(Sink::kEnabled && OutTile::kSwizzled), "the peer sink reads the tile by row stride");
+
+// Shared memory: the ring, the output tile, then the barriers, the mailbox and the
+// scheduler's table. The peer build's row scatter keeps its own tables in static shared
+// memory, which the dynamic buffer follows at its 1024-byte alignment.
+constexpr int kSmemLimit = 227 * 1024;  // the most one block may opt in to on sm_90
+constexpr int kStaticSmem = Sink::kEnabled ? 2048 : 0;
+constexpr int kMaxStages = 6;
+constexpr int kTailBytes = 2 * kMaxStages * 8 + 32 + (EPSERVE_MAX_LOCAL_EXPERTS + 1) * 4;
+constexpr int kFitStages = (kSmemLimit - kStaticSmem - OutTile::kBytes - kTailBytes) / (kStageA + kStageB);
+constexpr int kStages = kFitStages < kMaxStages ? kFitStages : kMaxStages;
+static_assert(kStages >= 2, "shared memory");
+constexpr int kSmemBytes = kStages * (kStageA + kStageB) + OutTile::kBytes + kTailBytes;
+#ifdef EPSERVE_WGMMA_DEPTH
+constexpr int kWgmmaDepth = EPSERVE_WGMMA_DEPTH;
+#else
+constexpr int kWgmmaDepth = kStages >= 4 ? 1 : 0;
+#endif
+static_assert(kWgmmaDepth == 0 || kWgmmaDepth == 1, "wgmma groups in flight");
 constexpr int kEpilogueBarrier = 1;  // named barrier of the consumer warpgroups
-using Scheduler = GroupedTileScheduler<kBM, kBN>;
+using Scheduler = GroupedTileScheduler<kBM, kOutCols>;
 
 struct alignas(64) TensorMap {
   unsigned long long opaque[16];
@@ -65,32 +115,32 @@ struct alignas(64) TensorMap {
 
 extern "C" __constant__ int epserve_gemm_smem_bytes = kSmemBytes;
 extern "C" __constant__ int epserve_gemm_threads = kThreads;
+extern "C" __constant__ int epserve_gemm_stages = kStages;
 
+// N: output columns (C is [M, N]). B holds N rows per expert, or 2N with SwiGLU.
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
     epserve_grouped_gemm_wgmma(const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b,
                                bf16_t* __restrict__ C, const int* __restrict__ expert_offsets, int num_experts, int N,
                                int K, const PeerSendConfig cfg, int gate) {
-  extern __shared__ unsigned char smem_raw[];
-  __shared__ int mtile_prefix[EPSERVE_MAX_LOCAL_EXPERTS + 1];
-  __shared__ int offsets[EPSERVE_MAX_LOCAL_EXPERTS + 1];
-  __shared__ SendMailbox mailbox;
-  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  extern __shared__ __align__(1024) unsigned char smem[];
   unsigned char* ring_a = smem;
   unsigned char* ring_b = ring_a + kStages * kStageA;
   bf16_t* out_tile = reinterpret_cast<bf16_t*>(ring_b + kStages * kStageB);
-  uint64_t* full = reinterpret_cast<uint64_t*>(reinterpret_cast<unsigned char*>(out_tile) + kTileBytes);
+  uint64_t* full = reinterpret_cast<uint64_t*>(reinterpret_cast<unsigned char*>(out_tile) + OutTile::kBytes);
   uint64_t* empty = full + kStages;
+  SendMailbox* mailbox = reinterpret_cast<SendMailbox*>(full + 2 * kMaxStages);
+  int* mtile_prefix = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(mailbox) + 32);
 
-  Scheduler sched;
-  sched.init(expert_offsets, num_experts, N, mtile_prefix, offsets);
   if (threadIdx.x == 0) {
+    if (smem_u32(smem) & 1023u) __trap();  // the 128-byte swizzle's pattern is tied to 1024-byte alignment
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&full[s], 1);
       mbarrier_init(&empty[s], kConsumers);
     }
     fence_mbarrier_init();
   }
-  __syncthreads();
+  Scheduler sched;
+  sched.init(expert_offsets, num_experts, N, mtile_prefix);  // its __syncthreads publishes the barriers too
   const int k_slices = K / kBK;
   const int warpgroup = threadIdx.x / 128;
 
@@ -99,16 +149,18 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     const int warp = (threadIdx.x % 128) / 32;
     if constexpr (kSendWarps) {
       if (warp >= 1 && warp <= Sink::kSendWarps && gate >= 0)
-        Sink::template service<kConsumerThreads>(SmemTile{out_tile, kTileLd, 0, 0}, &mailbox, cfg,
+        Sink::template service<kConsumerThreads>(SmemTile{out_tile, OutTile::kLd, 0, 0}, mailbox, cfg,
                                                  threadIdx.x % 128 - 32);
     } else if constexpr (!Sink::kEnabled) {
       if (warp >= 1 && warp <= kCWriterWarps) {
-        const int lane = threadIdx.x % 32;
-        CMailbox::serve(&mailbox, [&](const SendMailbox& m) {
-          if (lane * 8 < m.cols) {  // N is a multiple of 64: whole 16-byte chunks
-            for (int r = warp - 1; r < m.rows; r += kCWriterWarps)
-              st_global_v4(C + static_cast<long long>(m.m_abs + r) * N + m.n_abs + lane * 8,
-                           ld_shared_v4(out_tile + r * kTileLd + lane * 8));
+        const int writer = threadIdx.x % 128 - 32;
+        constexpr int kChunks = kOutCols / 8;  // 16-byte chunks per row; N is a multiple of 8
+        CMailbox::serve(mailbox, [&](const SendMailbox& m) {
+          for (int i = writer; i < m.rows * kChunks; i += kCWriterWarps * 32) {
+            const int r = i / kChunks, c = (i % kChunks) * 8;
+            if (c < m.cols)
+              st_global_v4(C + static_cast<long long>(m.m_abs + r) * N + m.n_abs + c,
+                           ld_shared_v4(out_tile + OutTile::offset(r, c)));
           }
         });
       }
@@ -119,11 +171,20 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       uint32_t phase = 0;
       for (int index = blockIdx.x; index < sched.total_tiles; index += gridDim.x) {
         const GroupedTile t = sched.tile(index);
+        const int halves = t.rows > 64 ? 2 : 1;
+        const int b_row = t.expert * (kSwiGLU ? 2 * N : N) + t.n_abs;
         for (int kt = 0; kt < k_slices; ++kt) {
           mbarrier_wait(&empty[stage], phase ^ 1);
-          mbarrier_expect_tx(&full[stage], kStageA + kStageB);
-          tma_load_2d(ring_a + stage * kStageA, &map_a, &full[stage], kt * kBK, t.m_abs);
-          tma_load_2d(ring_b + stage * kStageB, &map_b, &full[stage], kt * kBK, t.expert * N + t.n_abs);
+          mbarrier_expect_tx(&full[stage], halves * kHalfA + kStageB);
+          for (int h = 0; h < halves; ++h)
+            tma_load_2d(ring_a + stage * kStageA + h * kHalfA, &map_a, &full[stage], kt * kBK, t.m_abs + 64 * h);
+          unsigned char* b = ring_b + stage * kStageB;
+          if constexpr (kSwiGLU) {  // gate rows, then the matching up rows
+            tma_load_2d(b, &map_b, &full[stage], kt * kBK, b_row);
+            tma_load_2d(b + kStageB / 2, &map_b, &full[stage], kt * kBK, b_row + N);
+          } else {
+            tma_load_2d(b, &map_b, &full[stage], kt * kBK, b_row);
+          }
           if (++stage == kStages) {
             stage = 0;
             phase ^= 1;
@@ -135,32 +196,54 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     setmaxnreg_inc<kConsumerRegs>();
     const int tid = threadIdx.x;  // 0 .. kConsumerThreads - 1
     const int lane = tid % 32, warp = (tid % 128) / 32;
+    auto release = [&](int s) {
+      if (tid % 128 == 0) mbarrier_arrive(&empty[s]);
+    };
     int stage = 0;
     uint32_t phase = 0;
+    auto advance = [&] {
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    };
     float acc[128];
     bool tile_pending = false;  // the writer warps still hold the shared output tile
     for (int index = blockIdx.x; index < sched.total_tiles; index += gridDim.x) {
       const GroupedTile t = sched.tile(index);
+      const bool computes = warpgroup * 64 < t.rows;  // this warpgroup's 64 rows hold some real ones
+      if (computes) {
+        int in_flight = -1;  // the stage whose wgmmas may still run (depth 1)
+        for (int kt = 0; kt < k_slices; ++kt) {
+          mbarrier_wait(&full[stage], phase);
+          const unsigned char* a = ring_a + stage * kStageA + warpgroup * kHalfA;
+          const unsigned char* b = ring_b + stage * kStageB;
+          wgmma_fence();
 #pragma unroll
-      for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-      fence_operands(acc);
-      for (int kt = 0; kt < k_slices; ++kt) {
-        mbarrier_wait(&full[stage], phase);
-        const unsigned char* a = ring_a + stage * kStageA + warpgroup * (64 * kBK * 2);
-        const unsigned char* b = ring_b + stage * kStageB;
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk)
-          wgmma_m64n256k16(acc, smem_desc_sw128(a + kk * 32), smem_desc_sw128(b + kk * 32));
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_operands(acc);
-        if (tid % 128 == 0) mbarrier_arrive(&empty[stage]);
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1;
+          for (int kk = 0; kk < kBK / 16; ++kk)
+            wgmma_m64n256k16(acc, smem_desc_sw128(a + kk * 32), smem_desc_sw128(b + kk * 32), (kt | kk) != 0);
+          wgmma_commit();
+          wgmma_wait<kWgmmaDepth>();
+          if constexpr (kWgmmaDepth == 0) {
+            release(stage);
+          } else {
+            if (in_flight >= 0) release(in_flight);
+            in_flight = stage;
+          }
+          advance();
+        }
+        if constexpr (kWgmmaDepth > 0) {
+          wgmma_wait<0>();
+          if (in_flight >= 0) release(in_flight);
+        }
+      } else {  // the whole wgmma bracket sits on one side of the branch, so ptxas keeps it asynchronous
+        for (int kt = 0; kt < k_slices; ++kt) {
+          mbarrier_wait(&full[stage], phase);
+          release(stage);
+          advance();
         }
       }
+      fence_operands(acc);
 
       if constexpr (Sink::kEnabled) {
         if (gate < 0) continue;  // the peer sink gated off: the math alone
@@ -173,32 +256,44 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       // 4j, 4j+1 at (row g, cols 8j + 2q, +1), 4j+2, 4j+3 at row g + 8.
       const int row = warpgroup * 64 + warp * 16 + lane / 4;
       const int colq = 2 * (lane % 4);
+      auto put = [&](int r, int col, uint32_t v) { *reinterpret_cast<uint32_t*>(out_tile + OutTile::offset(r, col)) = v; };
+      if (computes) {
+        if constexpr (kSwiGLU) {  // block j holds gate columns, block j + kOutCols / 8 the same columns' up
 #pragma unroll
-      for (int j = 0; j < kBN / 8; ++j) {
-        *reinterpret_cast<uint32_t*>(out_tile + row * kTileLd + 8 * j + colq) = pack_bf16x2(acc[4 * j], acc[4 * j + 1]);
-        *reinterpret_cast<uint32_t*>(out_tile + (row + 8) * kTileLd + 8 * j + colq) =
-            pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]);
+          for (int j = 0; j < kOutCols / 8; ++j) {
+            const int u = j + kOutCols / 8;
+            put(row, 8 * j + colq,
+                swiglu_bf16x2(pack_bf16x2(acc[4 * j], acc[4 * j + 1]), pack_bf16x2(acc[4 * u], acc[4 * u + 1])));
+            put(row + 8, 8 * j + colq,
+                swiglu_bf16x2(pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]), pack_bf16x2(acc[4 * u + 2], acc[4 * u + 3])));
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < kOutCols / 8; ++j) {
+            put(row, 8 * j + colq, pack_bf16x2(acc[4 * j], acc[4 * j + 1]));
+            put(row + 8, 8 * j + colq, pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]));
+          }
+        }
       }
-      const int rows = min(kBM, t.m_end - t.m_abs);
-      const int cols = min(kBN, N - t.n_abs);
+      const int cols = min(kOutCols, N - t.n_abs);
       if constexpr (kWriterWarps) {  // the hand-over's barrier publishes the tile to the writers
-        const SmemTile tile{out_tile, kTileLd, rows, cols};
-        if constexpr (kSendWarps) Sink::template hand_over<kConsumerThreads>(&mailbox, tile, t.m_abs, t.n_abs, tid);
-        else CMailbox::hand_over(&mailbox, tile, t.m_abs, t.n_abs, tid);
+        const SmemTile tile{out_tile, OutTile::kLd, t.rows, cols};
+        if constexpr (kSendWarps) Sink::template hand_over<kConsumerThreads>(mailbox, tile, t.m_abs, t.n_abs, tid);
+        else CMailbox::hand_over(mailbox, tile, t.m_abs, t.n_abs, tid);
         tile_pending = true;
         continue;  // the writer warps own the tile until the next drain
       } else {  // a peer sink without send warps: the output warps scatter the tile themselves
         named_barrier_sync<kEpilogueBarrier, kConsumerThreads>();
-        const SmemTile tile{out_tile, kTileLd, rows, cols};
+        const SmemTile tile{out_tile, OutTile::kLd, t.rows, cols};
         Sink::template send_tile<kConsumerThreads, kEpilogueBarrier>(tile, t.m_abs, t.n_abs, t.m_end, t.expert, cfg,
                                                                      gate, tid);
         named_barrier_sync<kEpilogueBarrier, kConsumerThreads>();  // the tile is rewritten by the next epilogue
       }
     }
     if constexpr (kSendWarps) {
-      if (gate >= 0) Sink::template shutdown<kConsumerThreads>(&mailbox, tile_pending, tid);
+      if (gate >= 0) Sink::template shutdown<kConsumerThreads>(mailbox, tile_pending, tid);
     } else if constexpr (!Sink::kEnabled) {
-      CMailbox::shutdown(&mailbox, tile_pending, tid);
+      CMailbox::shutdown(mailbox, tile_pending, tid);
     }
   }
 }

@@ -131,6 +131,13 @@ def expert_ffn_flops(rows, hidden, intermediate):
     return gemm1_flops(rows, hidden, intermediate) + gemm2_flops(rows, hidden, intermediate)
 
 
+def gemm1_hbm_bytes(rows, experts_with_rows, hidden, intermediate):
+    """Bytes GEMM 1 with SwiGLU fused must move through HBM at least once:
+    2 * (E_r*2I*H + M*H + M*I), that is w13 of the experts that have rows, the dispatched
+    rows read and the activations written ([M, 2I] is never stored)."""
+    return BF16_BYTES * (experts_with_rows * 2 * intermediate * hidden + rows * hidden + rows * intermediate)
+
+
 def gemm2_hbm_bytes(rows, experts_with_rows, hidden, intermediate):
     """Bytes GEMM 2 must move through HBM at least once: 2 * (E_r*H*I + M*I + M*H), that is
     the weights of the experts that have rows (an expert with none is never read), the
@@ -237,6 +244,14 @@ class Work:
         return floor(self.flops, self.hbm_bytes, self.nvlink.per_rank, rates)
 
 
+def gemm1_work(counts: RoutingCounts, hidden, intermediate) -> Work:
+    """GEMM 1 with SwiGLU in its epilogue, on this GPU alone."""
+    world = counts.world_size
+    return Work(gemm1_flops(counts.rows, hidden, intermediate),
+                gemm1_hbm_bytes(counts.rows, counts.experts_with_rows, hidden, intermediate),
+                LinkBytes(np.zeros(world, np.int64), np.zeros(world, np.int64)))
+
+
 def gemm2_work(counts: RoutingCounts, hidden, intermediate) -> Work:
     """GEMM 2 alone, storing its outputs locally (the null sink)."""
     world = counts.world_size
@@ -256,6 +271,17 @@ def layer_work(counts: RoutingCounts, hidden, intermediate, dedup_dispatch: bool
     return Work(expert_ffn_flops(counts.rows, hidden, intermediate),
                 layer_hbm_bytes(counts.tokens, counts.rows, counts.experts_with_rows, hidden, intermediate),
                 dispatch_nvlink_bytes(counts, hidden, dedup_dispatch) + combine_nvlink_bytes(counts, hidden))
+
+
+def mma_row_fraction(rows_per_expert, tile_rows: int = 128, half_tile_rows: int = 64) -> float:
+    """The share of the grouped GEMM's MMA rows that are real rows: each expert's rows go in
+    tile_rows-row tiles, and a tail of at most half_tile_rows rows costs half a tile (the
+    wgmma GEMM's second warpgroup skips it). 1.0 when no expert has rows."""
+    rows = np.asarray(rows_per_expert, np.int64)
+    tail = rows % tile_rows
+    tail_cost = np.where(tail == 0, 0, np.where(tail <= half_tile_rows, half_tile_rows, tile_rows))
+    cost = (rows - tail) + tail_cost
+    return float(rows.sum() / cost.sum()) if cost.sum() else 1.0
 
 
 def x_floor(path_seconds, floor_seconds):

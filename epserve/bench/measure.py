@@ -2,6 +2,7 @@
 timed with CUDA events on every rank, checked in the same run.
 
 Paths (the unfused one is the baseline every speed-up is taken against):
+    gemm1           GEMM 1 with SwiGLU in its epilogue, alone
     gemm2           GEMM 2 alone: the peer sink gated off
     fused           GEMM 2 with the peer sink + the reduction
     unfused         GEMM 2 with the null sink + the transport (NCCL, or the IPC copy where
@@ -9,8 +10,8 @@ Paths (the unfused one is the baseline every speed-up is taken against):
     library         cuBLAS per expert + the same transport + the reduction
     dispatch-direct direct-store dispatch (one row per token and destination)
     dispatch-nccl   the baseline dispatch (one row per slot)
-    layer-fused     forward: direct dispatch, GEMM 1, SwiGLU, fused GEMM 2 + combine
-    layer-unfused   forward: NCCL dispatch, GEMM 1, SwiGLU, GEMM 2 + NCCL combine
+    layer-fused     forward: direct dispatch, GEMM 1 + SwiGLU, fused GEMM 2 + combine
+    layer-unfused   forward: NCCL dispatch, GEMM 1 + SwiGLU, GEMM 2 + NCCL combine
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from . import arithmetic
 from .cublas import grouped_gemm_per_expert
 from .events import samples_ms
 
-PATHS = ("gemm2", "fused", "unfused", "library", "dispatch-direct", "dispatch-nccl", "layer-fused", "layer-unfused")
+PATHS = ("gemm1", "gemm2", "fused", "unfused", "library", "dispatch-direct", "dispatch-nccl", "layer-fused", "layer-unfused")
 UNFUSED, LIBRARY = "unfused", "library"
 
 
@@ -72,11 +73,8 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
     baseline = svc.dispatch(x, idx, w, "nccl")
     plan = baseline.plan
     M = direct.num_rows
-    h = cupy.empty((M, 2 * I), BF16)
-    ops.grouped_gemm("null", direct.rows, w13, h, direct.expert_offsets, w13.shape[0], 2 * I, H)
-    act = cupy.empty((M, I), BF16)
-    ops.swiglu(h, act, M, I)
-    del h
+    act, act_again = cupy.empty((M, I), BF16), cupy.empty((M, I), BF16)
+    ops.gemm1_swiglu(direct.rows, w13, act, direct.expert_offsets, w13.shape[0], I, H)
     comb = svc.combiner
     rows_src = svc._send_plan(direct)
     offsets_host = plan.host.expert_offsets
@@ -92,6 +90,7 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
         comb.unfused(C_lib, plan, idx, w, out=outs["library"])
 
     runs = {
+        "gemm1": lambda: ops.gemm1_swiglu(direct.rows, w13, act_again, direct.expert_offsets, w13.shape[0], I, H),
         "gemm2": lambda: comb.gemm_only(act, w2, rows_src, I),
         "fused": lambda: comb.fused(act, w2, rows_src, idx, w, I, out=outs["fused"]),
         "unfused": unfused,
@@ -108,6 +107,7 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
     svc.check()
 
     wrong = {
+        "gemm1": bitwise_wrong(act_again, act),  # reruns give the same bits
         "gemm2": None,
         "fused": bitwise_wrong(outs["fused"], outs["unfused"]),
         "unfused": None,
@@ -119,6 +119,7 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
         "layer-unfused": None,
     }
     work = {
+        "gemm1": arithmetic.gemm1_work(counts, H, I),
         "gemm2": arithmetic.gemm2_work(counts, H, I),
         "fused": arithmetic.gemm2_combine_work(counts, H, I),
         "unfused": arithmetic.gemm2_combine_work(counts, H, I),

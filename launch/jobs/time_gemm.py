@@ -1,10 +1,17 @@
-"""The grouped GEMM alone on one GPU, against cuBLAS per expert, at the layer's two shapes:
+"""The grouped GEMMs alone on one GPU, at a preset's two shapes and the bench's routings:
 
-    python launch/jobs/time_gemm.py [--rows 32768] [--experts 128]
+    python launch/jobs/time_gemm.py [--preset dsv3-prefill] [--ranks 2] [--routing balanced ...]
+                                    [--variants]
 
-GEMM 1 (N = 2I, K = H) and GEMM 2 (N = H, K = I), rows spread evenly over the experts: our
-two kernels (the wgmma one also in its peer build, gated off) and cuBLAS; CUDA-event
-medians, TFLOP/s, and the largest difference of the wgmma output from cuBLAS's. One process: no communication in the numbers."""
+Rows per expert are those rank 0 receives when `--ranks` ranks each route the preset's
+tokens per rank with the bench's routing (same seeds); `uniform` spreads them evenly
+instead. For each routing: GEMM 1 + SwiGLU fused, the same GEMM storing [M, 2I] followed
+by the SwiGLU kernel, and cuBLAS per expert (+ the SwiGLU kernel); GEMM 2 with the null
+sink, in its peer build gated off, and cuBLAS per expert. CUDA-event medians, TFLOP/s,
+the weights' streaming rate (what bounds decode), the share of MMA rows that are real
+rows, and the largest difference from cuBLAS. `--variants` adds builds that differ in one
+compile-time knob (listed in VARIANTS below), to measure a knob before it is made the
+default. One process: no communication in the numbers."""
 
 from __future__ import annotations
 
@@ -13,57 +20,123 @@ import argparse
 import cupy
 import numpy as np
 
-from epserve import ops
+from epserve import kernels, ops
 from epserve.arrays import BF16
+from epserve.bench import arithmetic, presets
 from epserve.bench.cublas import gemm_nt, grouped_gemm_per_expert
 from epserve.bench.events import median_ms
 from epserve.kernel_structs import PEER_SEND_CONFIG
 
+# Experimental builds of the wgmma GEMM (null sink): name -> extra defines.
+VARIANTS = {
+    "gemm_wgmma_null+depth1": {"EPSERVE_WGMMA_DEPTH": 1},
+}
+
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--rows", type=int, default=32768)
-    p.add_argument("--experts", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--intermediate", type=int, default=2048)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="dsv3-prefill", choices=sorted(presets.PRESETS))
+    p.add_argument("--ranks", type=int, default=2, help="ranks the preset's experts are spread over (default 2)")
+    p.add_argument("--routing", nargs="+", default=["uniform", "balanced", "skewed"],
+                   help="uniform, balanced, skewed or skewed:<exponent> (default: all three)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--variants", action="store_true", help="also time the experimental builds in VARIANTS")
+    p.add_argument("--skip-cublas", action="store_true")
     args = p.parse_args()
-    M, E, H, I = args.rows, args.experts, args.hidden, args.intermediate
-    offsets_host = np.linspace(0, M, E + 1).astype(np.int32)
-    offsets = cupy.asarray(offsets_host)
+    preset = presets.get_preset(args.preset)
+    H, I, E = preset.hidden, preset.intermediate, preset.num_experts // args.ranks
+    for name, defines in VARIANTS.items():
+        base = kernels.VARIANTS["gemm_wgmma_null"]
+        kernels.VARIANTS[name] = (base[0], {**base[1], **defines})
     rs = cupy.random.RandomState(5)
-    print(f"# grouped GEMM, {M} rows over {E} experts; {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
-    print(f"{'GEMM':<8}{'N':>7}{'K':>7}{'path':>22}{'ms':>9}{'TFLOP/s':>10}{'max |diff|':>12}")
-    dense(rs, 8192)
-    for name, N, K in (("GEMM 1", 2 * I, H), ("GEMM 2", H, I)):
-        grouped(rs, name, M, N, K, E, offsets, offsets_host)
+    dev = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    print(f"# grouped GEMMs on one GPU ({dev}): {preset.name}, H {H}, I {I}, {E} local experts of "
+          f"{preset.num_experts} over {args.ranks} ranks, {preset.tokens_per_rank} tokens/rank, top-{preset.top_k}")
+    print(f"{'routing':<12}{'GEMM':<8}{'path':>34}{'ms':>9}{'TFLOP/s':>9}{'weights GB/s':>13}{'max |diff|':>11}")
+    if not args.skip_cublas:
+        dense(rs, 8192)
+    weights = {"w13": (rs.standard_normal((E, 2 * I, H), dtype=np.float32) / np.sqrt(H)).astype(BF16),
+               "w2": (rs.standard_normal((E, H, I), dtype=np.float32) / np.sqrt(I)).astype(BF16)}
+    for spec in args.routing:
+        rows = rows_per_expert(spec, preset, args.ranks, args.seed)
+        print(f"# {spec}: {rows.sum()} rows, per expert min {rows.min()} mean {rows.mean():.1f} max {rows.max()}; "
+              f"real share of MMA rows: {arithmetic.mma_row_fraction(rows, 128, 128):.3f} with 128-row tiles, "
+              f"{arithmetic.mma_row_fraction(rows):.3f} with 64-row tails")
+        offsets_host = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
+        gemm1(rs, spec, offsets_host, weights["w13"], H, I, args)
+        gemm2(rs, spec, offsets_host, weights["w2"], H, I, args)
+
+
+def rows_per_expert(spec, preset, ranks, seed):
+    E = preset.num_experts // ranks
+    total = preset.tokens_per_rank * ranks * preset.top_k // ranks
+    if spec == "uniform":
+        return np.diff(np.linspace(0, total, E + 1).astype(np.int64))
+    routings = presets.get_routing(spec).draw(preset, ranks, seed)
+    counts = sum(np.bincount(r[r >= 0], minlength=preset.num_experts) for r in routings)
+    return counts[:E].astype(np.int64)  # rank 0's experts
+
+
+def row(spec, name, path, ms, flops, weight_bytes, diff=""):
+    print(f"{spec:<12}{name:<8}{path:>34}{ms:>9.3f}{flops / ms / 1e9:>9.1f}{weight_bytes / ms / 1e6:>13.0f}{diff:>11}")
 
 
 def dense(rs, n):
     a = rs.standard_normal((n, n), dtype=np.float32).astype(BF16)
     c = cupy.empty((n, n), BF16)
     ms = median_ms(lambda: gemm_nt(a.data.ptr, a.data.ptr, c.data.ptr, n, n, n))
-    print(f"{'dense':<8}{n:>7}{n:>7}{'cuBLAS':>22}{ms:>9.3f}{2 * n**3 / ms / 1e9:>10.1f}{'':>12}")
+    row("-", "dense", f"cuBLAS {n}^3", ms, 2 * n**3, 0)
 
 
-def grouped(rs, name, M, N, K, E, offsets, offsets_host):
-    A = rs.standard_normal((M, K), dtype=np.float32).astype(BF16)
-    B = (rs.standard_normal((E, N, K), dtype=np.float32) / np.sqrt(K)).astype(BF16)
-    C_ours, C_lib = cupy.empty((M, N), BF16), cupy.empty((M, N), BF16)
+def max_diff(a, b):
+    return f"{float(cupy.abs(a.astype(np.float32) - b.astype(np.float32)).max()):.4f}"
+
+
+def gemm1(rs, spec, offsets_host, w13_host, H, I, args):
+    E, M = w13_host.shape[0], int(offsets_host[-1])
+    offsets, w13 = cupy.asarray(offsets_host), cupy.asarray(w13_host)
+    A = rs.standard_normal((M, H), dtype=np.float32).astype(BF16)
+    act, h, act2 = cupy.empty((M, I), BF16), cupy.empty((M, 2 * I), BF16), cupy.empty((M, I), BF16)
+    flops = arithmetic.gemm1_flops(M, H, I)
+    wbytes = int((np.diff(offsets_host) > 0).sum()) * 2 * I * H * 2
+    ms = median_ms(lambda: ops.gemm1_swiglu(A, w13, act, offsets, E, I, H))
+    row(spec, "GEMM 1", "wgmma + SwiGLU epilogue", ms, flops, wbytes)
+
+    def two_kernels():
+        ops.grouped_gemm("null", A, w13, h, offsets, E, 2 * I, H)
+        ops.swiglu(h, act2, M, I)
+
+    ms = median_ms(two_kernels)
+    same = "bitwise" if bool((act.view(np.uint16) == act2.view(np.uint16)).all()) else "DIFFER"
+    row(spec, "GEMM 1", "wgmma [M, 2I] + SwiGLU kernel", ms, flops, wbytes, same)
+    if not args.skip_cublas:
+        def library():
+            grouped_gemm_per_expert(A, w13, h, offsets_host)
+            ops.swiglu(h, act2, M, I)
+
+        ms = median_ms(library)
+        row(spec, "GEMM 1", "cuBLAS per expert + SwiGLU kernel", ms, flops, wbytes, max_diff(act, act2))
+
+
+def gemm2(rs, spec, offsets_host, w2_host, H, I, args):
+    E, M = w2_host.shape[0], int(offsets_host[-1])
+    offsets, w2 = cupy.asarray(offsets_host), cupy.asarray(w2_host)
+    A = rs.standard_normal((M, I), dtype=np.float32).astype(BF16)
+    C, C_lib = cupy.empty((M, H), BF16), cupy.empty((M, H), BF16)
+    flops = arithmetic.gemm2_flops(M, H, I)
+    wbytes = int((np.diff(offsets_host) > 0).sum()) * H * I * 2
     gated_off = np.zeros(1, PEER_SEND_CONFIG)
-    flops = 2.0 * M * N * K
-    runs = {
-        "mma (null sink)": lambda: ops.grouped_gemm("null", A, B, C_ours, offsets, E, N, K, impl="mma"),
-        "wgmma (peer, gated)": lambda: ops.grouped_gemm("peer", A, B, None, offsets, E, N, K, gated_off, -1,
-                                                        impl="wgmma"),
-        "wgmma (null sink)": lambda: ops.grouped_gemm("null", A, B, C_ours, offsets, E, N, K, impl="wgmma"),
-        "cuBLAS per expert": lambda: grouped_gemm_per_expert(A, B, C_lib, offsets_host),
-    }
+    runs = {"wgmma (null sink)": lambda: ops.grouped_gemm("null", A, w2, C, offsets, E, H, I),
+            "wgmma (peer build, gated off)": lambda: ops.grouped_gemm("peer", A, w2, None, offsets, E, H, I, gated_off, -1)}
+    if args.variants:
+        for name in VARIANTS:
+            runs[name] = lambda name=name: ops._wgmma_gemm(name, A, w2, E * H, C, offsets, E, H, I, ops._NO_PEERS, 0)
     for path, fn in runs.items():
-        ms = median_ms(fn)
-        diff = ""
-        if path == "cuBLAS per expert":
-            diff = f"{float(cupy.abs(C_ours.astype(np.float32) - C_lib.astype(np.float32)).max()):.4f}"
-        print(f"{name:<8}{N:>7}{K:>7}{path:>22}{ms:>9.3f}{flops / ms / 1e9:>10.1f}{diff:>12}")
+        row(spec, "GEMM 2", path, median_ms(fn), flops, wbytes)
+    if not args.skip_cublas:
+        ops.grouped_gemm("null", A, w2, C, offsets, E, H, I)
+        ms = median_ms(lambda: grouped_gemm_per_expert(A, w2, C_lib, offsets_host))
+        row(spec, "GEMM 2", "cuBLAS per expert", ms, flops, wbytes, max_diff(C, C_lib))
 
 
 if __name__ == "__main__":
