@@ -8,7 +8,8 @@ header edit. The closure's text is handed to NVRTC from memory, so what is compi
 exactly what was hashed. Ranks that compile at once each write a temporary file and rename
 it into place, so a reader never sees half a cubin.
 
-Includes are written relative to ``cuda/`` (``#include "common/ptx.cuh"``).
+Includes are written relative to ``cuda/`` (``#include "common/ptx.cuh"``). In a checkout
+that is the repository's cuda/; an installed wheel carries a copy as epserve/_cuda.
 """
 
 from __future__ import annotations
@@ -24,7 +25,24 @@ from pathlib import Path
 from . import __version__
 from .errors import BuildError
 
-CUDA_ROOT = Path(__file__).resolve().parent.parent / "cuda"
+# A file only epserve's kernel tree has: beside an installed epserve, ../cuda is
+# cuda-python's package, not ours.
+_MARKER = "sinks/peer_send_config.cuh"
+
+
+def find_cuda_root() -> Path:
+    """The kernel sources: cuda/ of the checkout epserve runs from, else the copy an
+    installed wheel carries (epserve/_cuda, made by setup.py)."""
+    package = Path(__file__).resolve().parent
+    checkout, installed = package.parent / "cuda", package / "_cuda"
+    for root in (checkout, installed):
+        if (root / _MARKER).is_file():
+            return root
+    raise BuildError(f"epserve's kernel sources are missing: neither {checkout} (a checkout) nor {installed} "
+                     f"(an installed wheel) holds {_MARKER}; reinstall epserve")
+
+
+CUDA_ROOT = find_cuda_root()
 ARCH = "sm_90a"  # wgmma/setmaxnreg-era Hopper; mma.sync kernels run on it too
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
