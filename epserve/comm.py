@@ -8,7 +8,7 @@ when any rank failed.
 
 Neither mpi4py nor CuPy is imported at module import time: importing mpi4py.MPI initializes
 MPI, and the first CuPy CUDA call fixes the process's device, which must be chosen from the
-local rank first (DESIGN.md section 5).
+local rank first (docs/design.md, "IPC lifetime").
 """
 
 from __future__ import annotations
@@ -34,10 +34,20 @@ _ALREADY_COLLECTIVE = (RankFailedError, RankMismatchError)
 _local_rank_cache: dict[int, tuple[object, int]] = {}
 
 
+MPI_MISSING = ("mpi4py found no MPI library to load. Install one: pip install 'epserve[mpich]' (the MPICH "
+               "wheel, with its mpiexec), or your system's MPI (Debian/Ubuntu: apt install mpich, or "
+               "libopenmpi-dev openmpi-bin), then start the ranks with mpiexec")
+
+
 def _mpi():
     """The mpi4py.MPI module, imported on first use (the import initializes MPI)."""
-    from mpi4py import MPI
-
+    try:
+        from mpi4py import MPI
+    except RuntimeError as exc:
+        # mpi4py's wheel loads libmpi at import time and lists every path it tried.
+        if "cannot load MPI library" not in str(exc):
+            raise
+        raise EPServeError(MPI_MISSING) from None
     return MPI
 
 
