@@ -1,13 +1,15 @@
-"""MoEConfig: the sizes one expert-parallel MoE layer is built for, checked once up front so
-that a bad size fails here with a clear message instead of deep inside a kernel, and
-check_agreement, which makes sure every rank built the same one."""
+"""MoEConfig: the sizes one expert-parallel MoE layer is built for, checked once up front
+(against the packing of src_info and the kernels' limits) so that a bad size fails here with
+a clear message instead of deep inside a kernel, and check_agreement, which makes sure every
+rank built the same one."""
 
 import dataclasses
 import math
 import numbers
 
 from epserve.errors import ConfigError, RankMismatchError
-from epserve.layout import MAX_RANKS, MAX_SLOTS, MAX_TOKENS
+from epserve.kernel_structs import MAX_EXPERTS, MAX_LOCAL_EXPERTS, MAX_PEERS
+from epserve.layout import MAX_SLOTS, MAX_TOKENS
 
 # The GEMMs tile the hidden and intermediate dimensions by this many elements.
 KERNEL_TILE = 64
@@ -18,6 +20,29 @@ _INT_FIELDS = ("num_experts", "top_k", "hidden", "intermediate", "max_tokens_per
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
+    """The sizes of one MoE layer served by ``world_size`` ranks; every rank builds the same one.
+
+    num_experts          E, experts in all; rank r owns experts [r * E/W, (r + 1) * E/W).
+                         A multiple of world_size, at most 1024, at most 512 per rank.
+    top_k                k, experts each token is routed to (1..16, at most num_experts).
+    hidden               H, the model dimension (x and the output are [T, H]); a multiple of 64.
+    intermediate         I, each expert's FFN width (w13 is [E/W, 2I, H], w2 [E/W, H, I]);
+                         a multiple of 64.
+    max_tokens_per_rank  the most tokens T one rank passes to one call (up to 2**20); the
+                         receive buffers are sized by it when the service starts.
+    world_size           W, the number of ranks (1..8: the peer paths stay inside one
+                         NVLink domain); it must equal the communicator's size.
+    max_recv_rows        the most expert rows one rank may receive in one call; None means
+                         the worst case, max_tokens_per_rank * W * min(k, E/W). A smaller
+                         value saves memory; a call whose routing needs more raises
+                         ConfigError on every rank before any row moves.
+    wait_timeout_s       bound of every device-side wait for a peer, in seconds; a peer that
+                         is later raises PeerTimeoutError naming it and the stage.
+
+    Construction validates every field and raises ConfigError naming the first bad one.
+    The config is frozen; ``to_dict()`` gives its fields as plain Python values.
+    """
+
     num_experts: int
     top_k: int
     hidden: int
@@ -55,8 +80,8 @@ class MoEConfig:
             _require_positive_int(name, getattr(self, name))
         if self.max_recv_rows is not None:
             _require_positive_int("max_recv_rows", self.max_recv_rows)
-        _require_at_most("world_size", self.world_size, MAX_RANKS,
-                         "src_info packs the source rank in 7 bits")
+        _require_at_most("world_size", self.world_size, MAX_PEERS,
+                         "the peer paths reach the GPUs of one NVLink domain")
         _require_at_most("top_k", self.top_k, MAX_SLOTS, "src_info packs the slot in 4 bits")
         _require_at_most("max_tokens_per_rank", self.max_tokens_per_rank, MAX_TOKENS,
                          "src_info packs the token in 20 bits")
@@ -64,6 +89,13 @@ class MoEConfig:
             raise ConfigError(f"MoEConfig.num_experts = {self.num_experts} is not allowed: it "
                               f"must be a multiple of world_size = {self.world_size}, so "
                               f"every rank owns the same number of experts")
+        _require_at_most("num_experts", self.num_experts, MAX_EXPERTS,
+                         "the dispatch counts every expert in shared memory")
+        if self.experts_per_rank > MAX_LOCAL_EXPERTS:
+            raise ConfigError(f"MoEConfig.num_experts = {self.num_experts} is not allowed with "
+                              f"world_size = {self.world_size}: that is {self.experts_per_rank} "
+                              f"experts per rank, and the grouped GEMM schedules at most "
+                              f"{MAX_LOCAL_EXPERTS}")
         if self.top_k > self.num_experts:
             raise ConfigError(f"MoEConfig.top_k = {self.top_k} is not allowed: it must be at "
                               f"most num_experts = {self.num_experts}")
@@ -88,15 +120,9 @@ def check_agreement(cfg, comm):
     """Raise RankMismatchError, on every rank alike, unless all ranks of the mpi4py
     communicator `comm` hold the same config and its world_size is comm's size.
     Collective: every rank of comm must call it."""
-    per_rank = comm.allgather(cfg.to_dict())
-    disagreements = []
-    for field in dataclasses.fields(MoEConfig):
-        values = [fields[field.name] for fields in per_rank]
-        if any(value != values[0] for value in values):
-            each = ", ".join(f"rank {rank} has {value!r}" for rank, value in enumerate(values))
-            disagreements.append(f"ranks disagree on MoEConfig.{field.name}: {each}")
-    if disagreements:
-        raise RankMismatchError("; ".join(disagreements))
+    from epserve.comm import agree
+
+    agree(comm, "MoEConfig", cfg.to_dict())
     # Checked after agreement, so that every rank sees the same world_size here.
     if cfg.world_size != comm.Get_size():
         raise RankMismatchError(f"MoEConfig.world_size = {cfg.world_size} but the communicator "

@@ -19,8 +19,9 @@ import numpy as np
 
 from . import kernels
 from . import signals as sig
-from .errors import ConfigError, RankFailedError
+from .errors import RankFailedError
 from .kernel_structs import MAX_LOCAL_EXPERTS, pack_dispatch_config
+from .layout import check_recv_capacity
 
 INPUT_REJECTED = 100  # error code a rank puts in its count row when its own input failed validation
 
@@ -136,8 +137,4 @@ class DirectDispatcher:
                 self.signals.raise_if_error(self.rank)
             raise RankFailedError(f"dispatch stopped before any row moved: rank(s) {bad} routed to expert ids "
                                   f"outside [-1, {self.E})")
-        over = [(d, int(summary[d])) for d in range(W) if summary[d] > self.max_recv_rows]
-        if over:
-            detail = ", ".join(f"rank {d} would receive {m} rows" for d, m in over)
-            raise ConfigError(f"dispatch stopped before any row moved: {detail}, more than the receive capacity of "
-                              f"{self.max_recv_rows} rows per rank (MoEConfig.max_recv_rows)")
+        check_recv_capacity(summary[:W], self.max_recv_rows)

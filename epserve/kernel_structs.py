@@ -13,6 +13,8 @@ MAX_PEERS = 8  # EPSERVE_MAX_PEERS
 # EPSERVE_MAX_LOCAL_EXPERTS (common/types.cuh): the GEMM keeps a table per local expert, the
 # dispatch layout kernel a thread
 MAX_LOCAL_EXPERTS = 512
+# Experts in all: the dispatch route kernel keeps per-warp counters for every expert in shared memory.
+MAX_EXPERTS = 1024
 
 PEER_SEND_CONFIG = np.dtype(
     [

@@ -2,7 +2,7 @@
 
 The plan is a pure function of every rank's routing, so once topk_idx is allgathered each
 rank can compute any rank's plan and all ranks agree without further messages, and every
-run lays rows out identically (DESIGN section 2).
+run lays rows out identically (docs/design.md, "Dispatched rows").
 
 src_info packing (int32; fixed, the CUDA side decodes the same bits):
 
@@ -163,6 +163,19 @@ def count_recv_rows(rank, topk_idx_all, num_experts, world_size):
     first = rank * (num_experts // world_size)
     last = first + num_experts // world_size
     return int(sum(np.count_nonzero((idx >= first) & (idx < last)) for idx in routing))
+
+
+def check_recv_capacity(rows_per_rank, capacity):
+    """Raise ConfigError if some rank would receive more than `capacity` rows this call.
+
+    rows_per_rank[d] is what rank d would receive. Every rank passes the same counts (both
+    dispatches know every rank's), so every rank raises the same error, before any row moves.
+    """
+    over = [(d, int(m)) for d, m in enumerate(rows_per_rank) if m > capacity]
+    if over:
+        detail = ", ".join(f"rank {d} would receive {m} rows" for d, m in over)
+        raise ConfigError(f"dispatch stopped before any row moved: {detail}, more than the receive capacity of "
+                          f"{capacity} rows per rank (MoEConfig.max_recv_rows)")
 
 
 class _SendOrder(NamedTuple):

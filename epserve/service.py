@@ -31,29 +31,12 @@ from .device_plan import DevicePlan
 from .direct_dispatch import DirectDispatcher, Dispatched
 from .dispatch import Dispatcher
 from .errors import ConfigError
-from .kernel_structs import MAX_LOCAL_EXPERTS
-from .layout import count_recv_rows, plan_dispatch
+from .layout import check_recv_capacity, count_recv_rows, plan_dispatch
 from .nccl_transport import gpus_shared, make_nccl
 from .peers import PeerGroup
 from .signals import SignalBlock
 
 SINKS = ("peer", "null")
-
-MAX_EXPERTS = 1024        # the dispatch route kernel keeps per-warp counters for every expert in shared memory
-
-
-def check_service_limits(config: MoEConfig) -> None:
-    """What the kernels need beyond MoEConfig's own rules (which hold for any backend)."""
-    from .kernel_structs import MAX_PEERS
-
-    if config.world_size > MAX_PEERS:
-        raise ConfigError(f"MoEConfig.world_size = {config.world_size}: the peer paths reach at most {MAX_PEERS} "
-                          "GPUs (one NVLink domain)")
-    if config.experts_per_rank > MAX_LOCAL_EXPERTS:
-        raise ConfigError(f"{config.experts_per_rank} experts per rank: the grouped GEMM schedules at most "
-                          f"{MAX_LOCAL_EXPERTS}")
-    if config.num_experts > MAX_EXPERTS:
-        raise ConfigError(f"MoEConfig.num_experts = {config.num_experts}: the dispatch counts at most {MAX_EXPERTS}")
 DISPATCHES = ("direct", "nccl")
 
 
@@ -76,7 +59,6 @@ class EPService:
         self.comm = ep_comm.world(comm)
         self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
         check_agreement(config, self.comm)  # needs no GPU: a mismatch is reported before any CUDA call
-        check_service_limits(config)  # the same config on every rank: every rank raises alike
         self.device = ep_comm.select_device(self.comm, device)
         self._closed = False
         self.group = PeerGroup(self.comm)
@@ -147,12 +129,8 @@ class EPService:
         c = self.config
         routing = self.comm.allgather(cupy.asnumpy(topk_idx))
         # Every rank has every routing, so every rank reaches the same verdict.
-        rows = [count_recv_rows(d, routing, c.num_experts, self.world) for d in range(self.world)]
-        over = [(d, m) for d, m in enumerate(rows) if m > c.recv_rows_capacity]
-        if over:
-            detail = ", ".join(f"rank {d} would receive {m} rows" for d, m in over)
-            raise ConfigError(f"dispatch stopped before any row moved: {detail}, more than the receive capacity of "
-                              f"{c.recv_rows_capacity} rows per rank (MoEConfig.max_recv_rows)")
+        check_recv_capacity([count_recv_rows(d, routing, c.num_experts, self.world) for d in range(self.world)],
+                            c.recv_rows_capacity)
         return DevicePlan.upload(plan_dispatch(self.rank, routing, c.num_experts, self.world), c.top_k)
 
     def expert_ffn(self, dispatched: DispatchResult, w13, w2, sink: str = "peer", out=None, gate: int = 0):

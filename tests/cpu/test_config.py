@@ -26,6 +26,9 @@ GOOD = dict(num_experts=8, top_k=2, hidden=128, intermediate=64, max_tokens_per_
     (dict(top_k=9), "top_k"),
     (dict(num_experts=32, top_k=17), "top_k"),
     (dict(num_experts=256, world_size=256), "world_size"),
+    (dict(num_experts=9 * 4, world_size=9), "world_size.*at most 8"),
+    (dict(num_experts=2048, world_size=8), "num_experts.*at most 1024"),
+    (dict(num_experts=1024, world_size=1), "1024 experts per rank.*at most 512"),
     (dict(max_tokens_per_rank=2**20 + 1), "max_tokens_per_rank"),
     (dict(hidden=100), "hidden"),
     (dict(intermediate=96), "intermediate"),
@@ -48,8 +51,10 @@ def test_tile_message_says_why():
 @pytest.mark.parametrize("changes", [
     {},
     dict(world_size=1),
-    dict(num_experts=16, top_k=16, world_size=16),
-    dict(num_experts=128, world_size=128, max_tokens_per_rank=2**20),
+    dict(num_experts=16, top_k=16, world_size=8),
+    dict(num_experts=1024, world_size=8, max_tokens_per_rank=2**20),  # every limit at its bound
+    dict(num_experts=512, world_size=1),
+    dict(num_experts=256, top_k=8, hidden=7168, intermediate=2048, max_tokens_per_rank=4096, world_size=8),  # dsv3
     dict(max_recv_rows=1, wait_timeout_s=1),
     dict(num_experts=np.int64(8), hidden=np.int32(7168)),
 ])
@@ -100,7 +105,7 @@ def test_mismatch_is_named_identically_on_every_rank():
         with pytest.raises(RankMismatchError) as caught:
             check_agreement(cfg, FakeComm(configs))
         messages.add(str(caught.value))
-    assert messages == {"ranks disagree on MoEConfig.hidden: rank 0 has 7168, rank 1 has 4096"}
+    assert messages == {"ranks disagree on MoEConfig: hidden: rank 0=7168, rank 1=4096"}
 
 
 def test_every_mismatched_field_is_named():
@@ -108,8 +113,8 @@ def test_every_mismatched_field_is_named():
     with pytest.raises(RankMismatchError) as caught:
         check_agreement(configs[0], FakeComm(configs))
     message = str(caught.value)
-    assert "MoEConfig.top_k: rank 0 has 2, rank 1 has 4" in message
-    assert "MoEConfig.wait_timeout_s: rank 0 has 30.0, rank 1 has 5.0" in message
+    assert "top_k: rank 0=2, rank 1=4" in message
+    assert "wait_timeout_s: rank 0=30.0, rank 1=5.0" in message
     assert "hidden" not in message
 
 
@@ -117,3 +122,11 @@ def test_world_size_must_match_the_communicator():
     configs = [MoEConfig(**{**GOOD, "world_size": 4})] * 2
     with pytest.raises(RankMismatchError, match="world_size = 4.*2 ranks"):
         check_agreement(configs[0], FakeComm(configs))
+
+
+def test_a_limit_wins_over_a_rank_count_mismatch():
+    """MoEConfig refuses a config beyond the kernels' limits itself, so the limit is what a
+    user hears about, not that the communicator has another number of ranks."""
+    with pytest.raises(ConfigError, match="world_size = 9 .*at most 8") as caught:
+        MoEConfig(**{**GOOD, "num_experts": 36, "world_size": 9})
+    assert not isinstance(caught.value, RankMismatchError)

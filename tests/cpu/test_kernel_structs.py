@@ -9,6 +9,7 @@ import pytest
 
 from epserve import build
 from epserve.kernel_structs import (
+    MAX_LOCAL_EXPERTS,
     MAX_PEERS,
     PEER_SEND_CONFIG,
     STRUCTS,
@@ -100,3 +101,10 @@ def test_pack_rejects_too_many_ranks_and_short_tables():
     with pytest.raises(ValueError, match="one address per rank"):
         pack_peer_send_config(recv=[1], arrive=[1, 2], ready=0, src_info=0, error=0, epoch=1, timeout_ns=1,
                               rank=0, world=2, top_k=1, hidden=64, max_tokens=1)
+
+
+def test_python_limits_match_the_cuda_defines():
+    for header, define, value in (("common/types.cuh", "EPSERVE_MAX_LOCAL_EXPERTS", MAX_LOCAL_EXPERTS),
+                                  ("sinks/peer_send_config.cuh", "EPSERVE_MAX_PEERS", MAX_PEERS)):
+        text = (build.CUDA_ROOT / header).read_text()
+        assert int(re.search(rf"#define {define} (\d+)", text).group(1)) == value, define
