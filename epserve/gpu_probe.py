@@ -1,5 +1,5 @@
-"""Is there a GPU epserve can run on here? Used by the tests (to skip, saying why) and by
-`make run` (to stop with a clear message before any rank starts).
+"""Is there a GPU epserve can run on here? Used by the tests (to skip, saying why), by `make run`
+and by the GPU commands (to stop with one clear line before any rank starts).
 
     python -m epserve.gpu_probe     # exit 0 if usable, else print why and exit 1
 """
@@ -52,13 +52,28 @@ def _driver_loadable():
     return True
 
 
-def main() -> int:
+def gpu_count() -> int:
+    """CUDA devices this process sees (0 when there is no driver or no device)."""
+    if gpu_unusable_reason() is not None:
+        return 0
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceCount()
+
+
+def stopped_without_gpu(program: str = "epserve") -> bool:
+    """False when a Hopper GPU is usable here; else print one line to stderr saying `program`
+    needs one and why there is none (instead of a traceback from deep inside), and return True."""
     reason = gpu_unusable_reason()
     if reason is None:
-        return 0
-    print(f"epserve needs an NVIDIA Hopper GPU (compute capability 9.0) and none is usable here: {reason}.",
+        return False
+    print(f"{program} needs an NVIDIA Hopper GPU (compute capability 9.0) and none is usable here: {reason}.",
           file=sys.stderr)
-    return 1
+    return True
+
+
+def main() -> int:
+    return 1 if stopped_without_gpu() else 0
 
 
 if __name__ == "__main__":

@@ -66,8 +66,11 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=2026)
     args = p.parse_args(argv)
 
+    from .gpu_probe import stopped_without_gpu
     from .service import EPService  # after argument parsing: --help needs no GPU
 
+    if stopped_without_gpu("python -m epserve.main"):
+        return 1
     comm = ep_comm.world()
     rank, world = comm.Get_rank(), comm.Get_size()
     T, H, I, E, k = args.tokens, args.hidden, args.intermediate, args.experts, args.top_k

@@ -1,11 +1,17 @@
-"""epserve's benchmark, run under the launcher on W ranks (`make bench`):
+"""epserve's benchmark: the fused layer against the unfused one and a cuBLAS + NCCL library
+baseline, on every rank of an MPI job, with the hardware's limits measured in the same run.
 
-    python launch/run.py -n 2 -- python -m mpi4py -m epserve.bench [--presets ...] [--out results/x]
+Run it under the launcher on W ranks (`make bench NP=W BENCH_ARGS="..."` does this):
 
-For each preset and routing, a sweep of tokens per rank; at each point every path of
-epserve.bench.measure, timed side by side in one run, checked (#wrong), with the hardware
-limits measured in the same run and the floor they give. Prints a preamble and a table like
-nccl-tests, and writes JSON and PNG plots to --out.
+    python launch/run.py -n 2 -- python -m mpi4py -m epserve.bench [options]
+
+For each preset and routing it sweeps tokens per rank; at each point it times every path
+side by side (CUDA-event medians, the slowest rank's), checks each path that has a reference
+(#wrong: elements that differ from the unfused output, bitwise, or beyond bf16 tolerance for
+the library), and relates each time to the floor the measured limits give. It prints a
+preamble (machine, limits) and a table, and with --out writes bench.json and PNG plots there.
+The exit status is 1 when any path got a wrong element. It needs NVIDIA Hopper GPUs; where
+ranks share one GPU the times are not performance (no link is crossed).
 """
 
 from __future__ import annotations
@@ -20,25 +26,48 @@ import numpy as np
 from .. import comm as ep_comm
 from ..arrays import BF16
 from ..config import MoEConfig
+from ..gpu_probe import stopped_without_gpu
 from . import limits, measure, plots, presets, report
 from .progress import progress
 from .results import Run, measured_row, with_baselines
 from .timing import slowest_rank
 
+# --quick: every preset at this small shape (num_experts and top_k capped), to check that every
+# path runs, not to measure.
+QUICK_SHAPE = dict(tokens_per_rank=64, hidden=512, intermediate=256)
+QUICK_MAX_EXPERTS, QUICK_MAX_TOP_K = 32, 4
+
+
+def _epilog() -> str:
+    rows = [f"  {p.name:<14} hidden {p.hidden:>5}, intermediate {p.intermediate:>5}, {p.num_experts:>3} experts, "
+            f"top-{p.top_k}, {p.tokens_per_rank} tokens per rank" for p in presets.PRESETS.values()]
+    # measure's docstring describes each path after "Paths ...:"; the names alone if it ever does not
+    described = (measure.__doc__ or "").partition("Paths")[2].partition(":\n")[2].rstrip()
+    paths = described or "    " + ", ".join(measure.PATHS)
+    return "presets (real models' MoE layers):\n" + "\n".join(rows) + "\n\npaths timed at every point:\n" + paths
+
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m epserve.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--presets", default=",".join(presets.PRESETS), help="comma-separated preset names")
-    p.add_argument("--routing", default="balanced,skewed", help="balanced, skewed or skewed:<zipf>, comma-separated")
+    p = argparse.ArgumentParser(prog="python -m epserve.bench", description=__doc__, epilog=_epilog(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", default=",".join(presets.PRESETS),
+                   help="comma-separated preset names, listed below (default: all, %(default)s)")
+    p.add_argument("--routing", default="balanced,skewed",
+                   help="comma-separated routings: balanced (every expert equally likely), skewed (Zipf law over "
+                        f"the experts, exponent {presets.DEFAULT_ZIPF}) or skewed:<exponent> (default: %(default)s)")
     p.add_argument("--tokens", default=None,
-                   help="comma-separated tokens per rank for every preset (default: 1/4, 1/2 and 1 x the preset's)")
+                   help="comma-separated tokens per rank, for every preset (default: 1/4, 1/2 and 1 x the preset's)")
     p.add_argument("--quick", action="store_true",
-                   help="small shapes of every preset (hidden 512, intermediate 256, 32 experts, 64 tokens): a check "
-                        "that every path runs, not a measurement")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--seed", type=int, default=17)
-    p.add_argument("--out", default=None, help="directory for bench.json and the plots")
+                   help=f"every preset shrunk to hidden {QUICK_SHAPE['hidden']}, intermediate "
+                        f"{QUICK_SHAPE['intermediate']}, at most {QUICK_MAX_EXPERTS} experts and top-{QUICK_MAX_TOP_K}, "
+                        f"{QUICK_SHAPE['tokens_per_rank']} tokens: a check that every path runs, not a measurement")
+    p.add_argument("--iters", type=int, default=10, help="timed iterations per path and point (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed iterations before them (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=17, help="seed of the weights, inputs and routings (default: %(default)s)")
+    p.add_argument("--out", default=None,
+                   help="directory for bench.json and the plots (default: none, the table only; make bench uses "
+                        "results/h200x<NP>)")
     return p.parse_args(argv)
 
 
@@ -52,8 +81,8 @@ def sweep(preset, tokens_arg):
 def shape_of(preset, quick: bool):
     if not quick:
         return preset
-    return presets.scaled(preset, tokens_per_rank=64, hidden=512, intermediate=256,
-                          num_experts=min(32, preset.num_experts), top_k=min(preset.top_k, 4))
+    return presets.scaled(preset, **QUICK_SHAPE, num_experts=min(QUICK_MAX_EXPERTS, preset.num_experts),
+                          top_k=min(preset.top_k, QUICK_MAX_TOP_K))
 
 
 def machine_info(comm, svc, rates):
@@ -82,6 +111,8 @@ def main(argv=None) -> int:
     from ..service import EPService
 
     args = parse_args(argv)
+    if stopped_without_gpu("python -m epserve.bench"):
+        return 1
     comm = ep_comm.world()
     rank, world = comm.Get_rank(), comm.Get_size()
     chosen = [shape_of(presets.get_preset(name), args.quick) for name in args.presets.split(",")]
