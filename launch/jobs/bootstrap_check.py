@@ -20,6 +20,8 @@ import os
 import sys
 import time
 
+from job_report import emit  # a sibling of this script
+
 from epserve.comm import checked, local_rank, world
 from epserve.config import MoEConfig, check_agreement
 from epserve.errors import RankFailedError, RankMismatchError
@@ -42,13 +44,6 @@ def small_config(world_size, hidden=256):
 
 def say(comm, text):
     emit(f"rank {comm.Get_rank()}: {text}")
-
-
-def emit(line):
-    # One write per line: ranks share the launcher's stdout, and print's separate write of
-    # the newline lets another rank's line land in the middle of this one.
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def mode_ok(comm):

@@ -82,6 +82,7 @@ def run_shape(comm, name, H, I, E, k, calls, opts, seed):
     cfg = MoEConfig(E, k, H, I, max_tokens, world_size=world, wait_timeout_s=20.0)
     failures, info = [], {"calls": 0}
     with EPService(cfg, comm) as svc:
+        info["transport"] = svc.transport
         first_out = None
         for n, call in enumerate(calls):
             inputs = layer_inputs(seed + n, tokens_for(call, world), E, k, H, I, **opts)

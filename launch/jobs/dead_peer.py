@@ -38,6 +38,7 @@ import sys
 import time
 
 import cupy
+from job_report import emit  # a sibling of this script
 
 from epserve import EPService, MoEConfig
 from epserve import comm as ep_comm
@@ -50,12 +51,6 @@ WAIT_TIMEOUT_S = 5.0
 KILLED_EXIT = 3
 E_LOC, TOP_K, HIDDEN, INTERMEDIATE, TOKENS = 4, 2, 256, 128, 64
 SEED = 61
-
-
-def emit(line: str) -> None:
-    # One write per line, so the other rank's output cannot land inside it.
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def stop(mode: str) -> None:

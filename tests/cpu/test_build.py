@@ -25,14 +25,22 @@ def test_every_variant_compiles_for_sm90a(name, cache):
     assert not re.search(r"[1-9]\d* bytes spill stores", art.log), art.log
 
 
-def gemm_ptx(sink: str) -> str:
-    source, defines = kernels.VARIANTS[f"gemm_{sink}"]
+def variants_with_sink(sink: str) -> list[str]:
+    """The shipped GEMM variants built with `sink` ("null" or "peer"): the mma.sync and the
+    wgmma kernel, and any other that takes a sink."""
+    names = [n for n, (_, defines) in kernels.VARIANTS.items() if defines.get("EPSERVE_SINK") == kernels.SINKS[sink]]
+    assert {f"gemm_{sink}", f"gemm_wgmma_{sink}"} <= set(names)
+    return sorted(names)
+
+
+def variant_ptx(name: str) -> str:
+    source, defines = kernels.VARIANTS[name]
     return build.compile_source(source, defines).ptx.read_text()
 
 
 def config_param_uses(ptx: str) -> list[str]:
     """PTX lines that read the PeerSendConfig parameter (a load, or taking its address)."""
-    param = re.search(r"\.param \.align 8 \.b8 (epserve_grouped_gemm_param_\d+)\[192\]", ptx)
+    param = re.search(r"\.param \.align 8 \.b8 (epserve_\w+_param_\d+)\[192\]", ptx)
     assert param, "the GEMM takes PeerSendConfig by value in both builds"
     return [line for line in ptx.splitlines() if param.group(1) in line and ".param .align" not in line]
 
@@ -45,19 +53,21 @@ SEND_CODE = {
 }
 
 
-def test_null_sink_build_contains_no_peer_send_code(cache):
-    ptx = gemm_ptx("null")
+@pytest.mark.parametrize("name", variants_with_sink("null"))
+def test_null_sink_build_contains_no_peer_send_code(name, cache):
+    ptx = variant_ptx(name)
     for what, pattern in SEND_CODE.items():
-        assert not re.search(pattern, ptx), f"null-sink GEMM has a {what}"
+        assert not re.search(pattern, ptx), f"null-sink {name} has a {what}"
     # Stores through peer pointers need the peer pointers: the null build never reads them.
-    assert not config_param_uses(ptx), "null-sink GEMM reads PeerSendConfig"
+    assert not config_param_uses(ptx), f"null-sink {name} reads PeerSendConfig"
 
 
-def test_peer_sink_build_contains_peer_send_code(cache):
-    ptx = gemm_ptx("peer")
+@pytest.mark.parametrize("name", variants_with_sink("peer"))
+def test_peer_sink_build_contains_peer_send_code(name, cache):
+    ptx = variant_ptx(name)
     for what, pattern in SEND_CODE.items():
-        assert re.search(pattern, ptx), f"peer-sink GEMM lacks a {what}"
-    assert config_param_uses(ptx), "peer-sink GEMM never reads PeerSendConfig"
+        assert re.search(pattern, ptx), f"peer-sink {name} lacks a {what}"
+    assert config_param_uses(ptx), f"peer-sink {name} never reads PeerSendConfig"
 
 
 def test_cache_hit_returns_the_same_entry(cache):

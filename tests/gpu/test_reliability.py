@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from epserve.gpu_probe import gpu_count
+
 ROOT = Path(__file__).resolve().parents[2]
 RUN_PY = ROOT / "launch" / "run.py"
 JOBS = ROOT / "launch" / "jobs"
@@ -29,12 +31,6 @@ JOB_TIMEOUT_S = 540
 DEAD_PEER_TIMEOUT_S = 240  # far beyond the job's wait_timeout_s: a hang shows as exit 124
 # Beyond wait_timeout_s: raising and printing on rank 0, or the MPI launcher's teardown.
 DEAD_PEER_SLACK_S = 10.0
-
-
-def gpu_count():
-    import cupy
-
-    return cupy.cuda.runtime.getDeviceCount()
 
 
 SHARING = pytest.mark.parametrize("share_gpu", [True, False], ids=["2-ranks-1-gpu", "2-ranks-2-gpus"])
@@ -207,7 +203,7 @@ def test_killed_peer_gives_rank_0_a_timeout_error(share_gpu):
 
 
 @SHARING
-def test_killed_peer_ends_the_job_under_the_launcher(share_gpu):
+def test_killed_peer_ends_the_job_under_the_launcher(share_gpu, monkeypatch):
     """With its default cleanup the MPI launcher takes the job down as soon as rank 1 exits,
     usually before rank 0's wait runs out; either way it ends soon, non-zero."""
     need_gpus(share_gpu)
@@ -215,6 +211,7 @@ def test_killed_peer_ends_the_job_under_the_launcher(share_gpu):
     proc = run.proc
     assert proc.returncode not in (0, 124), explain(proc)
     assert run.rank1_stopped is not None, explain(proc)
+    monkeypatch.syspath_prepend(str(JOBS))  # the job imports its sibling job_report
     wait_timeout_s = load_module(JOBS / "dead_peer.py", "epserve_dead_peer_job").WAIT_TIMEOUT_S
     assert run.ended - run.rank1_stopped <= wait_timeout_s + DEAD_PEER_SLACK_S, explain(proc)
     if run.error is not None:  # rank 0's wait ran out before the launcher's teardown reached it
