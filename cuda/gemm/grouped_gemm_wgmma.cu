@@ -142,7 +142,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   Scheduler sched;
   sched.init(expert_offsets, num_experts, N, mtile_prefix);  // its __syncthreads publishes the barriers too
   const int k_slices = K / kBK;
-  const int warpgroup = threadIdx.x / 128;
+  // Read through a shuffle so the compiler knows it is warp-uniform: the mainloop's stage and
+  // descriptor arithmetic then stays in uniform registers, off the wgmma issue path.
+  const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
 
   if (warpgroup == kProducerWarpgroup) {
     setmaxnreg_dec<kLightRegs>();

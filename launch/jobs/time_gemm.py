@@ -11,16 +11,21 @@ sink, in its peer build gated off, and cuBLAS per expert. CUDA-event medians, TF
 the weights' streaming rate (what bounds decode), the share of MMA rows that are real
 rows, and the largest difference from cuBLAS. `--variants` adds builds that differ in one
 compile-time knob (listed in VARIANTS below), to measure a knob before it is made the
-default. One process: no communication in the numbers."""
+default; `--baseline-cuda DIR` adds the wgmma GEMM built from another kernel tree (for
+example `git archive <rev> cuda | tar -x -C DIR`), an A/B in one run. With `--warmup 1
+--iters 1` every kernel runs twice, for a profiler. One process: no communication in the
+numbers."""
 
 from __future__ import annotations
 
 import argparse
+import functools
+from pathlib import Path
 
 import cupy
 import numpy as np
 
-from epserve import kernels, ops
+from epserve import build, kernels, ops, tma
 from epserve.arrays import BF16
 from epserve.bench import arithmetic, presets
 from epserve.bench.cublas import gemm_nt, grouped_gemm_per_expert
@@ -29,7 +34,8 @@ from epserve.kernel_structs import PEER_SEND_CONFIG
 
 # Experimental builds of the wgmma GEMM (null sink): name -> extra defines.
 VARIANTS = {
-    "gemm_wgmma_null+depth1": {"EPSERVE_WGMMA_DEPTH": 1},
+    "gemm_wgmma_null+depth1": ("gemm_wgmma_null", {"EPSERVE_WGMMA_DEPTH": 1}),
+    "gemm1_wgmma_swiglu+depth0": ("gemm1_wgmma_swiglu", {"EPSERVE_WGMMA_DEPTH": 0}),
 }
 
 
@@ -42,12 +48,18 @@ def main():
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--variants", action="store_true", help="also time the experimental builds in VARIANTS")
     p.add_argument("--skip-cublas", action="store_true")
+    p.add_argument("--baseline-cuda", help="also time the wgmma GEMM of this kernel tree (its cuda/ folder)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()
+    global median_ms
+    median_ms = functools.partial(median_ms, warmup=args.warmup, iters=args.iters)
     preset = presets.get_preset(args.preset)
     H, I, E = preset.hidden, preset.intermediate, preset.num_experts // args.ranks
-    for name, defines in VARIANTS.items():
-        base = kernels.VARIANTS["gemm_wgmma_null"]
-        kernels.VARIANTS[name] = (base[0], {**base[1], **defines})
+    for name, (base, defines) in VARIANTS.items():
+        source, base_defines = kernels.VARIANTS[base]
+        kernels.VARIANTS[name] = (source, {**base_defines, **defines})
+    args.baseline = baseline_kernel(args.baseline_cuda) if args.baseline_cuda else None
     rs = cupy.random.RandomState(5)
     dev = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"# grouped GEMMs on one GPU ({dev}): {preset.name}, H {H}, I {I}, {E} local experts of "
@@ -65,6 +77,30 @@ def main():
         offsets_host = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
         gemm1(rs, spec, offsets_host, weights["w13"], H, I, args)
         gemm2(rs, spec, offsets_host, weights["w2"], H, I, args)
+
+
+def baseline_kernel(cuda_dir):
+    """The null-sink wgmma GEMM compiled from another cuda/ tree; it must take the same
+    arguments (A in 128-row boxes, as before 64-row tails)."""
+    root = build.CUDA_ROOT
+    build.CUDA_ROOT = Path(cuda_dir)
+    try:
+        mod = build.load_module("gemm/grouped_gemm_wgmma.cu", {"EPSERVE_SINK": "NullPeerSink"})
+    finally:
+        build.CUDA_ROOT = root
+    fn = mod.get_function("epserve_grouped_gemm_wgmma")
+    smem = ops._module_int(mod, "epserve_gemm_smem_bytes")
+    fn.max_dynamic_shared_size_bytes = smem
+    return fn, smem
+
+
+def run_baseline(baseline, A, B, C, offsets, E, N, K):
+    fn, smem = baseline
+    M = A.shape[0]
+    args = (tma.bf16_rows_map(A.data.ptr, M, K, box_rows=128), tma.bf16_rows_map(B.data.ptr, E * N, K, box_rows=256),
+            np.uint64(C.data.ptr), np.uint64(offsets.data.ptr), np.int32(E), np.int32(N), np.int32(K), ops._NO_PEERS,
+            np.int32(0))
+    fn((ops._sm_count(cupy.cuda.runtime.getDevice()),), (384,), args, shared_mem=smem)
 
 
 def rows_per_expert(spec, preset, ranks, seed):
@@ -109,6 +145,16 @@ def gemm1(rs, spec, offsets_host, w13_host, H, I, args):
     ms = median_ms(two_kernels)
     same = "bitwise" if bool((act.view(np.uint16) == act2.view(np.uint16)).all()) else "DIFFER"
     row(spec, "GEMM 1", "wgmma [M, 2I] + SwiGLU kernel", ms, flops, wbytes, same)
+    ms = median_ms(lambda: ops.grouped_gemm("null", A, w13, h, offsets, E, 2 * I, H))
+    row(spec, "GEMM 1", "wgmma [M, 2I] alone", ms, flops, wbytes)
+    if args.variants:
+        for name, (base, _) in VARIANTS.items():
+            if base == "gemm1_wgmma_swiglu":
+                ms = median_ms(lambda: ops._wgmma_gemm(name, A, w13, E * 2 * I, act2, offsets, E, I, H, ops._NO_PEERS, 0))
+                row(spec, "GEMM 1", name, ms, flops, wbytes)
+    if args.baseline:
+        ms = median_ms(lambda: run_baseline(args.baseline, A, w13, h, offsets, E, 2 * I, H))
+        row(spec, "GEMM 1", "baseline [M, 2I] alone", ms, flops, wbytes)
     if not args.skip_cublas:
         def library():
             grouped_gemm_per_expert(A, w13, h, offsets_host)
@@ -129,8 +175,11 @@ def gemm2(rs, spec, offsets_host, w2_host, H, I, args):
     runs = {"wgmma (null sink)": lambda: ops.grouped_gemm("null", A, w2, C, offsets, E, H, I),
             "wgmma (peer build, gated off)": lambda: ops.grouped_gemm("peer", A, w2, None, offsets, E, H, I, gated_off, -1)}
     if args.variants:
-        for name in VARIANTS:
-            runs[name] = lambda name=name: ops._wgmma_gemm(name, A, w2, E * H, C, offsets, E, H, I, ops._NO_PEERS, 0)
+        for name, (base, _) in VARIANTS.items():
+            if base == "gemm_wgmma_null":
+                runs[name] = lambda name=name: ops._wgmma_gemm(name, A, w2, E * H, C, offsets, E, H, I, ops._NO_PEERS, 0)
+    if args.baseline:
+        runs["baseline (null sink)"] = lambda: run_baseline(args.baseline, A, w2, C, offsets, E, H, I)
     for path, fn in runs.items():
         row(spec, "GEMM 2", path, median_ms(fn), flops, wbytes)
     if not args.skip_cublas:
