@@ -1,5 +1,5 @@
 """Dispatch: each token row goes to the ranks owning its experts and lands in the
-expert-contiguous row order of DESIGN section 2. Two transports, identical rows:
+expert-contiguous row order of docs/design.md ("Dispatched rows"). Two transports, identical rows:
   nccl - pack rows by destination, grouped NCCL send/recv, unpack into expert order;
   ipc  - pack into this rank's symmetric send buffer, then every rank pulls its rows from
          the peers' send buffers through IPC (for ranks sharing a GPU, where NCCL refuses).

@@ -1,8 +1,8 @@
 """Symmetric device buffers: the same size on every rank, allocated with plain cudaMalloc
 (not CuPy's pool, whose IPC handles name the pool chunk's base) and mapped into every peer
-through CUDA IPC (DESIGN section 5).
+through CUDA IPC (docs/design.md, "IPC lifetime").
 
-A PeerGroup owns its buffers and tears them down in the order DESIGN section 5 fixes:
+A PeerGroup owns its buffers and tears them down in the order the design fixes:
 synchronize, close the peers' mappings, barrier, free, barrier. Every method that talks to
 other ranks is collective: all ranks call it in the same order.
 """

@@ -10,7 +10,7 @@ it was waiting for:
     320  expected         u64[8]    local: combine units promised so far, by sender
     384  expected_tokens  u64[8]    local: dispatch token rows promised so far, by sender
     448  error            int32[4]  local: code, peer, detail (cuda/common/errors.cuh)
-Counters only grow (DESIGN section 4): nothing is reset between calls, so nothing races with
+Counters only grow (docs/design.md, "Signalling and epochs"): nothing is reset between calls, so nothing races with
 a reset.
 """
 

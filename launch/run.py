@@ -13,7 +13,7 @@ What the launcher does:
   running this file, where the `mpich` wheel puts its `mpiexec`), and tells Open MPI from
   MPICH/Hydra by its `--version` output;
 - sets, for every rank: NCCL_NVLS_ENABLE=0 (NVLink multicast stays off, whatever the caller's
-  environment says: DESIGN.md section 5), PYTHONUNBUFFERED=1 (rank output arrives as it is
+  environment says: docs/design.md, "IPC lifetime"), PYTHONUNBUFFERED=1 (rank output arrives as it is
   printed, not at exit), PYTHONPATH with the repository root first (so `import epserve`
   works without installing it) and, with --share-gpu, EPSERVE_DEVICE=0 (every rank on GPU 0;
   without it each rank takes local_rank % GPUs in epserve.comm.select_device);

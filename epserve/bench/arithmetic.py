@@ -11,7 +11,8 @@ Everything is per rank r of W ranks, from every rank's routing (count_routing). 
 
 Elements are bf16, 2 bytes. Units are FLOPs, bytes and seconds. Rates come in as arguments,
 measured in the same run on the same machine; the DESIGN_* constants below are the numbers
-DESIGN.md section 7 designs against, for documentation and tests, never a measurement.
+docs/design.md ("Numbers to design against") lists, for documentation and tests, never a
+measurement.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from epserve.errors import ConfigError
 
 BF16_BYTES = 2
 
-# DESIGN.md section 7: 2 x H200, NVLink 18 links, measured 2026-11-29.
+# docs/design.md, "Numbers to design against": 2 x H200, NVLink 18 links, measured 2026-11-29.
 DESIGN_DENSE_GEMM_FLOP_S = 780e12      # cuBLAS bf16 GEMM 8192^3: 770-790 TFLOP/s
 DESIGN_GROUPED_GEMM_FLOP_S = 466e12    # cuBLAS-class grouped down projection, M = 32k rows
 DESIGN_COPY_BYTES_S = 4.0e12           # local device copy, read + write: 3.8-4.3 TB/s

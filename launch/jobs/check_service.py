@@ -157,6 +157,7 @@ def bad_inputs(comm, svc, cfg, good, good_bits):
         "w2 of the wrong shape": lambda: svc.forward(x, idx, w, w13, on_culprit(
             cupy.zeros((w2.shape[0], cfg.hidden, cfg.intermediate + 64), BF16), w2)),
         "unknown sink": lambda: svc.forward(x, idx, w, w13, w2, sink=on_culprit("bogus", "peer")),
+        "unknown dispatch": lambda: svc.forward(x, idx, w, w13, w2, dispatch=on_culprit("bogus", "direct")),
         "expert id out of range (found on the device)": lambda: svc.forward(x, on_culprit(bad_id, idx), w, w13, w2),
     }
     if cupy.cuda.runtime.getDeviceCount() > 1 and not svc.shared_gpu:

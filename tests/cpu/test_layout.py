@@ -1,4 +1,4 @@
-"""The dispatch plan against a brute-force reading of DESIGN section 2, on every rank at once."""
+"""The dispatch plan against a brute-force reading of docs/design.md ("Layouts"), on every rank at once."""
 
 import os
 
@@ -208,3 +208,12 @@ def test_bad_world_is_refused(rank, num_experts, world_size, count, field):
     routing = [np.zeros((1, 1), np.int32)] * count
     with pytest.raises(ConfigError, match=field):
         plan_dispatch(rank, routing, num_experts, world_size)
+
+
+def test_recv_capacity_check_names_every_rank_over_it():
+    from epserve.layout import check_recv_capacity
+
+    check_recv_capacity([5, 9, 3], 9)  # at capacity is fine
+    with pytest.raises(ConfigError, match=r"rank 1 would receive 9 rows, rank 3 would receive 12 rows, more than "
+                                          r"the receive capacity of 8 rows per rank"):
+        check_recv_capacity([5, 9, 3, 12], 8)
