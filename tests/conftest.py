@@ -5,6 +5,10 @@ built for sm_90a, which runs on nothing else). Where there is none (CI, a laptop
 skipped with the reason, and the terminal summary says how many were skipped and why, so a
 green run without a GPU cannot be mistaken for a run that tested the kernels.
 
+--fail-if-all-skipped turns a run in which no selected test ran into a failure, with the
+reason: `make test-gpu` and `make dead-peer` use it, so that they cannot pass having tested
+nothing on a machine without a GPU.
+
 The GPU probe imports CuPy and asks the CUDA runtime only when a selected test needs a GPU,
 and only once per session; importing this file touches neither.
 """
@@ -14,6 +18,15 @@ import pytest
 from epserve.gpu_probe import gpu_unusable_reason
 
 GPU_SKIP_PREFIX = "no NVIDIA GPU visible"
+
+
+FAIL_IF_ALL_SKIPPED = "--fail-if-all-skipped"
+
+
+def pytest_addoption(parser):
+    parser.addoption(FAIL_IF_ALL_SKIPPED, action="store_true",
+                     help="exit with status 1, saying why, when no selected test ran (all skipped, or none "
+                          "selected): for runs whose point is tests that need a GPU (make test-gpu, make dead-peer)")
 
 
 def pytest_configure(config):
@@ -43,7 +56,26 @@ def _skip_reason(report):
     return str(longrepr)
 
 
+def _nothing_ran(config) -> bool:
+    """With --fail-if-all-skipped: no test passed or failed (every one skipped or deselected)."""
+    if not config.getoption(FAIL_IF_ALL_SKIPPED):
+        return False
+    stats = config.pluginmanager.get_plugin("terminalreporter").stats
+    return not any(stats.get(outcome) for outcome in ("passed", "failed", "error"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if exitstatus in (0, 5) and _nothing_ran(session.config):  # 5: pytest's "no tests collected"
+        session.exitstatus = 1
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _nothing_ran(config):
+        reason = gpu_unusable_reason()
+        why = f"{GPU_SKIP_PREFIX}: {reason}" if reason else "see the skip reasons above (pytest -rs)"
+        terminalreporter.write_line(f"epserve: nothing was tested: every selected test was skipped ({why}); "
+                                    f"{FAIL_IF_ALL_SKIPPED} makes that a failure. Run it on a machine with "
+                                    "NVIDIA Hopper GPUs.", red=True)
     skipped = [
         report
         for report in terminalreporter.stats.get("skipped", [])
