@@ -46,6 +46,11 @@ def _gemm_kernel(variant: str, kernel: str, device: int):
     return fn, smem, threads
 
 
+@functools.lru_cache(maxsize=None)
+def _b_box_rows(variant: str, device: int) -> int:
+    return _module_int(kernels.module(variant), "epserve_gemm_b_box_rows")
+
+
 _NO_PEERS = np.zeros(1, PEER_SEND_CONFIG)  # what the null sink is given: it never reads it
 
 
@@ -99,6 +104,13 @@ def gemm1_swiglu(A, w13, act, expert_offsets, num_experts: int, intermediate: in
                     _NO_PEERS, 0)
 
 
+@functools.lru_cache(maxsize=None)
+def _tile_counter(device: int, stream: int):
+    """The wgmma GEMM's tile counter for launches on one stream: zero between launches (the
+    kernel resets it), so stream order is all the sharing needs; a stream of its own each."""
+    return cupy.zeros(2, np.int32)
+
+
 def _wgmma_gemm(variant: str, A, B, b_rows: int, C, expert_offsets, num_experts: int, N: int, K: int, cfg,
                 gate: int) -> None:
     M = A.shape[0]
@@ -106,12 +118,14 @@ def _wgmma_gemm(variant: str, A, B, b_rows: int, C, expert_offsets, num_experts:
         return  # no rows, no tiles (and a tensor map cannot have an empty dimension)
     device = cupy.cuda.runtime.getDevice()
     fn, smem, threads = _gemm_kernel(variant, "epserve_grouped_gemm_wgmma", device)
+    b_box = _b_box_rows(variant, device)
     # A in 64-row boxes, one per consumer warpgroup; B in boxes of the rows one tile's
     # accumulator columns take: 256, or 128 gate + 128 up rows with SwiGLU.
     map_a = tma.bf16_rows_map(A.data.ptr, M, K, box_rows=64)
-    map_b = tma.bf16_rows_map(B.data.ptr, b_rows, K, box_rows=128 if variant == "gemm1_wgmma_swiglu" else 256)
+    map_b = tma.bf16_rows_map(B.data.ptr, b_rows, K, box_rows=b_box)
+    counter = _tile_counter(device, cupy.cuda.get_current_stream().ptr)
     args = (map_a, map_b, _ptr(C), _ptr(expert_offsets), np.int32(num_experts), np.int32(N), np.int32(K), cfg,
-            np.int32(gate))
+            np.int32(gate), _ptr(counter))
     fn((_sm_count(device),), (threads,), args, shared_mem=smem)
 
 

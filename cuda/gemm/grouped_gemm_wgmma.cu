@@ -1,6 +1,7 @@
 // The grouped GEMM on Hopper's own path: TMA loads into a ring of shared-memory stages,
 // wgmma on two consumer warpgroups, a producer warpgroup that runs ahead (its loads of the
-// next tile overlap the consumers' epilogue), a persistent grid. Same contract as
+// next tile overlap the consumers' epilogue), a persistent grid whose CTAs take tiles from an
+// atomic counter in gemm/tile_scheduler.cuh's L2-friendly order. Same contract as
 // gemm/grouped_gemm.cu: C[m, :] = A[m, :] @ B[e]^T per expert, the epilogue's tile handed
 // to the sink chosen by -DEPSERVE_SINK (NullPeerSink stores C; EpPeerSink sends the rows
 // home and C may be null).
@@ -69,6 +70,7 @@ static_assert(kConsumers * 128 * kConsumerRegs + 128 * kLightRegs <= 65536, "reg
 static_assert(Sink::kSendWarps <= 3, "the send warps share the producer warpgroup with the TMA warp");
 constexpr int kHalfA = 64 * kBK * 2;  // one warpgroup's 64 rows of an A stage: one TMA box
 constexpr int kStageA = kBM * kBK * 2, kStageB = kBN * kBK * 2;  // bytes
+constexpr int kBLoads = kSwiGLU ? 2 : 1;  // TMA boxes per B stage: gate and up rows, or one
 
 // The finished tile in shared memory, kBM rows of kOutCols bf16. Padded rows (16 bytes
 // each) keep the consumers' 4-byte writes free of bank conflicts, and the peer sink reads
@@ -93,7 +95,7 @@ static_assert(!(Sink::kEnabled && OutTile::kSwizzled), "the peer sink reads the 
 constexpr int kSmemLimit = 227 * 1024;  // the most one block may opt in to on sm_90
 constexpr int kStaticSmem = Sink::kEnabled ? 2048 : 0;
 constexpr int kMaxStages = 6;
-constexpr int kTailBytes = 2 * kMaxStages * 8 + 32 + (EPSERVE_MAX_LOCAL_EXPERTS + 1) * 4;
+constexpr int kTailBytes = 2 * kMaxStages * 8 + 32 + kMaxStages * 4 + (EPSERVE_MAX_LOCAL_EXPERTS + 1) * 4;
 constexpr int kFitStages = (kSmemLimit - kStaticSmem - OutTile::kBytes - kTailBytes) / (kStageA + kStageB);
 constexpr int kStages = kFitStages < kMaxStages ? kFitStages : kMaxStages;
 static_assert(kStages >= 2, "shared memory");
@@ -105,7 +107,10 @@ constexpr int kWgmmaDepth = kStages >= 4 ? 1 : 0;
 #endif
 static_assert(kWgmmaDepth == 0 || kWgmmaDepth == 1, "wgmma groups in flight");
 constexpr int kEpilogueBarrier = 1;  // named barrier of the consumer warpgroups
-using Scheduler = GroupedTileScheduler<kBM, kOutCols>;
+#ifndef EPSERVE_GROUP_N
+#define EPSERVE_GROUP_N 4  // n-tiles of a weight-sharing group (gemm/tile_scheduler.cuh)
+#endif
+using Scheduler = GroupedTileScheduler<kBM, kOutCols, EPSERVE_GROUP_N>;
 
 struct alignas(64) TensorMap {
   unsigned long long opaque[16];
@@ -116,12 +121,15 @@ struct alignas(64) TensorMap {
 extern "C" __constant__ int epserve_gemm_smem_bytes = kSmemBytes;
 extern "C" __constant__ int epserve_gemm_threads = kThreads;
 extern "C" __constant__ int epserve_gemm_stages = kStages;
+extern "C" __constant__ int epserve_gemm_b_box_rows = kBN / kBLoads;  // the rows of B's TMA box
 
 // N: output columns (C is [M, N]). B holds N rows per expert, or 2N with SwiGLU.
+// tile_counter: two ints, zero at launch and zero again when the kernel ends (the last CTA
+// to finish resets them), so launches on one stream can share them, graph replays too.
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
     epserve_grouped_gemm_wgmma(const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b,
                                bf16_t* __restrict__ C, const int* __restrict__ expert_offsets, int num_experts, int N,
-                               int K, const PeerSendConfig cfg, int gate) {
+                               int K, const PeerSendConfig cfg, int gate, int* __restrict__ tile_counter) {
   extern __shared__ __align__(1024) unsigned char smem[];
   unsigned char* ring_a = smem;
   unsigned char* ring_b = ring_a + kStages * kStageA;
@@ -129,7 +137,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(reinterpret_cast<unsigned char*>(out_tile) + OutTile::kBytes);
   uint64_t* empty = full + kStages;
   SendMailbox* mailbox = reinterpret_cast<SendMailbox*>(full + 2 * kMaxStages);
-  int* mtile_prefix = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(mailbox) + 32);
+  int* stage_tile = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(mailbox) + 32);  // [kMaxStages]
+  int* mtile_prefix = stage_tile + kMaxStages;
 
   if (threadIdx.x == 0) {
     if (smem_u32(smem) & 1023u) __trap();  // the 128-byte swizzle's pattern is tied to 1024-byte alignment
@@ -167,16 +176,32 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         });
       }
     }
-    // Producer: one thread keeps the ring full, tile after tile.
+    // Producer: one thread takes tiles from the counter, in the scheduler's order, and keeps
+    // the ring full. A tile's first stage carries its index to the consumers (the stage's
+    // full barrier publishes it); index -1 in an otherwise empty stage tells them to stop.
     if (threadIdx.x % 128 == 0) {
       int stage = 0;
       uint32_t phase = 0;
-      for (int index = blockIdx.x; index < sched.total_tiles; index += gridDim.x) {
+      for (;;) {
+        const int index = atomicAdd(tile_counter, 1);
+        if (index >= sched.total_tiles) {
+          mbarrier_wait(&empty[stage], phase ^ 1);
+          stage_tile[stage] = -1;
+          mbarrier_arrive(&full[stage]);
+          // The last CTA to stop resets the counter for the next launch on the stream:
+          // every CTA has taken its last ticket by then.
+          if (atomicAdd(tile_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+            tile_counter[0] = 0;
+            tile_counter[1] = 0;
+          }
+          break;
+        }
         const GroupedTile t = sched.tile(index);
         const int halves = t.rows > 64 ? 2 : 1;
         const int b_row = t.expert * (kSwiGLU ? 2 * N : N) + t.n_abs;
         for (int kt = 0; kt < k_slices; ++kt) {
           mbarrier_wait(&empty[stage], phase ^ 1);
+          if (kt == 0) stage_tile[stage] = index;
           mbarrier_expect_tx(&full[stage], halves * kHalfA + kStageB);
           for (int h = 0; h < halves; ++h)
             tma_load_2d(ring_a + stage * kStageA + h * kHalfA, &map_a, &full[stage], kt * kBK, t.m_abs + 64 * h);
@@ -211,7 +236,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     };
     float acc[128];
     bool tile_pending = false;  // the writer warps still hold the shared output tile
-    for (int index = blockIdx.x; index < sched.total_tiles; index += gridDim.x) {
+    for (;;) {
+      mbarrier_wait(&full[stage], phase);  // the tile's first stage (the mainloop's wait on it returns at once)
+      const int index = stage_tile[stage];
+      if (index < 0) break;
       const GroupedTile t = sched.tile(index);
       const bool computes = warpgroup * 64 < t.rows;  // this warpgroup's 64 rows hold some real ones
       if (computes) {

@@ -1,11 +1,18 @@
-// Persistent tile walk over a grouped problem: expert e owns rows
-// [expert_offsets[e], expert_offsets[e+1]) of A and C and the weight matrix B[e]. Each
-// expert's rows are cut into kBM-row tiles (the last one partial, masked by m_end), and
-// every m-tile pairs with every kBN-column tile of the output; the n index runs fastest, so
-// the CTAs working at the same time share A's rows and one expert's weights in L2.
+// Tile walk over a grouped problem: expert e owns rows [expert_offsets[e],
+// expert_offsets[e+1]) of A and C and the weight matrix B[e]. Each expert's rows are cut
+// into kBM-row tiles (the last one partial, masked by m_end), and every m-tile pairs with
+// every kBN-column tile of the output.
 //
-// A tile knows how many of its rows are real (`rows`): the GEMM computes only the 64-row
-// halves that hold some, so an expert's tail of at most 64 rows costs half a tile.
+// Tile order: the grouped GEMMs stream far more weights than L2 holds, so each weight tile
+// must be read from HBM once, by all of its expert's m-tiles while it is in L2, and each A
+// tile by several n-tiles. Tiles are numbered expert by expert; inside an expert, n-tiles
+// go in groups of kGroupN, and inside a group every m-tile takes each of the group's
+// n-tiles (n fastest). Taken in this order by CTAs that start them close together in time
+// (the wgmma GEMM hands tiles out from an atomic counter), a weight tile is reused by all
+// m-tiles and an A tile by kGroupN n-tiles within a few microseconds.
+//
+// A tile knows how many of its rows are real (`rows`): the wgmma GEMM computes only the
+// 64-row halves that hold some, so an expert's tail of at most 64 rows costs half a tile.
 #pragma once
 #include "common/types.cuh"
 
@@ -19,7 +26,7 @@ struct GroupedTile {
   int rows;   // real rows in the tile: min(kBM, m_end - m_abs), at least 1
 };
 
-template <int kBM, int kBN>
+template <int kBM, int kBN, int kGroupN = 4>
 struct GroupedTileScheduler {
   const int* expert_offsets;  // global [E+1]
   int* mtile_prefix;          // shared [E+1]: m-tiles of the experts before e
@@ -56,18 +63,23 @@ struct GroupedTileScheduler {
   }
 
   __device__ GroupedTile tile(int index) const {
-    const int mt = index / n_tiles;
-    const int nt = index - mt * n_tiles;
+    const int mt = index / n_tiles;  // an m-tile of the tile's expert (not the tile's own)
     int lo = 0, hi = num_experts - 1;  // last expert whose prefix <= mt (empty experts skipped)
     while (lo < hi) {
       const int mid = (lo + hi + 1) >> 1;
       if (mtile_prefix[mid] <= mt) lo = mid; else hi = mid - 1;
     }
+    const int m_tiles = mtile_prefix[lo + 1] - mtile_prefix[lo];
+    const int local = index - mtile_prefix[lo] * n_tiles;
+    const int group = local / (kGroupN * m_tiles);
+    const int in_group = local - group * kGroupN * m_tiles;
+    const int group_n = min(kGroupN, n_tiles - group * kGroupN);
+    const int m = in_group / group_n;
     GroupedTile t;
     t.expert = lo;
-    t.m_abs = __ldg(expert_offsets + lo) + (mt - mtile_prefix[lo]) * kBM;
+    t.m_abs = __ldg(expert_offsets + lo) + m * kBM;
     t.m_end = __ldg(expert_offsets + lo + 1);
-    t.n_abs = nt * kBN;
+    t.n_abs = (group * kGroupN + in_group - m * group_n) * kBN;
     t.rows = min(kBM, t.m_end - t.m_abs);
     return t;
   }

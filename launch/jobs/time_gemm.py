@@ -19,7 +19,6 @@ numbers."""
 from __future__ import annotations
 
 import argparse
-import functools
 from pathlib import Path
 
 import cupy
@@ -29,13 +28,15 @@ from epserve import build, kernels, ops, tma
 from epserve.arrays import BF16
 from epserve.bench import arithmetic, presets
 from epserve.bench.cublas import gemm_nt, grouped_gemm_per_expert
-from epserve.bench.events import median_ms
+from epserve.bench.events import median_ms, samples_ms
 from epserve.kernel_structs import PEER_SEND_CONFIG
 
 # Experimental builds of the wgmma GEMM (null sink): name -> extra defines.
 VARIANTS = {
     "gemm_wgmma_null+depth1": ("gemm_wgmma_null", {"EPSERVE_WGMMA_DEPTH": 1}),
+    "gemm_wgmma_null+group8": ("gemm_wgmma_null", {"EPSERVE_GROUP_N": 8}),
     "gemm1_wgmma_swiglu+depth0": ("gemm1_wgmma_swiglu", {"EPSERVE_WGMMA_DEPTH": 0}),
+    "gemm1_wgmma_swiglu+group8": ("gemm1_wgmma_swiglu", {"EPSERVE_GROUP_N": 8}),
 }
 
 
@@ -49,11 +50,9 @@ def main():
     p.add_argument("--variants", action="store_true", help="also time the experimental builds in VARIANTS")
     p.add_argument("--skip-cublas", action="store_true")
     p.add_argument("--baseline-cuda", help="also time the wgmma GEMM of this kernel tree (its cuda/ folder)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=15)
     args = p.parse_args()
-    global median_ms
-    median_ms = functools.partial(median_ms, warmup=args.warmup, iters=args.iters)
     preset = presets.get_preset(args.preset)
     H, I, E = preset.hidden, preset.intermediate, preset.num_experts // args.ranks
     for name, (base, defines) in VARIANTS.items():
@@ -128,6 +127,19 @@ def max_diff(a, b):
     return f"{float(cupy.abs(a.astype(np.float32) - b.astype(np.float32)).max()):.4f}"
 
 
+def interleaved_ms(runs: dict, warmup: int, iters: int) -> dict:
+    """Median CUDA-event time of each run, the runs taken in turn (A B C A B C ...), so a
+    clock or temperature drift during the job spreads over all of them alike."""
+    for fn in runs.values():
+        for _ in range(warmup):
+            fn()
+    samples = {name: [] for name in runs}
+    for _ in range(iters):
+        for name, fn in runs.items():
+            samples[name] += samples_ms(fn, 0, 1)
+    return {name: float(np.median(v)) for name, v in samples.items()}
+
+
 def gemm1(rs, spec, offsets_host, w13_host, H, I, args):
     E, M = w13_host.shape[0], int(offsets_host[-1])
     offsets, w13 = cupy.asarray(offsets_host), cupy.asarray(w13_host)
@@ -135,33 +147,29 @@ def gemm1(rs, spec, offsets_host, w13_host, H, I, args):
     act, h, act2 = cupy.empty((M, I), BF16), cupy.empty((M, 2 * I), BF16), cupy.empty((M, I), BF16)
     flops = arithmetic.gemm1_flops(M, H, I)
     wbytes = int((np.diff(offsets_host) > 0).sum()) * 2 * I * H * 2
-    ms = median_ms(lambda: ops.gemm1_swiglu(A, w13, act, offsets, E, I, H))
-    row(spec, "GEMM 1", "wgmma + SwiGLU epilogue", ms, flops, wbytes)
 
     def two_kernels():
         ops.grouped_gemm("null", A, w13, h, offsets, E, 2 * I, H)
         ops.swiglu(h, act2, M, I)
 
-    ms = median_ms(two_kernels)
-    same = "bitwise" if bool((act.view(np.uint16) == act2.view(np.uint16)).all()) else "DIFFER"
-    row(spec, "GEMM 1", "wgmma [M, 2I] + SwiGLU kernel", ms, flops, wbytes, same)
-    ms = median_ms(lambda: ops.grouped_gemm("null", A, w13, h, offsets, E, 2 * I, H))
-    row(spec, "GEMM 1", "wgmma [M, 2I] alone", ms, flops, wbytes)
+    runs = {"wgmma + SwiGLU epilogue": lambda: ops.gemm1_swiglu(A, w13, act, offsets, E, I, H),
+            "wgmma [M, 2I] + SwiGLU kernel": two_kernels,
+            "wgmma [M, 2I] alone": lambda: ops.grouped_gemm("null", A, w13, h, offsets, E, 2 * I, H)}
     if args.variants:
         for name, (base, _) in VARIANTS.items():
             if base == "gemm1_wgmma_swiglu":
-                ms = median_ms(lambda: ops._wgmma_gemm(name, A, w13, E * 2 * I, act2, offsets, E, I, H, ops._NO_PEERS, 0))
-                row(spec, "GEMM 1", name, ms, flops, wbytes)
+                runs[name] = lambda name=name: ops._wgmma_gemm(name, A, w13, E * 2 * I, act2, offsets, E, I, H,
+                                                               ops._NO_PEERS, 0)
     if args.baseline:
-        ms = median_ms(lambda: run_baseline(args.baseline, A, w13, h, offsets, E, 2 * I, H))
-        row(spec, "GEMM 1", "baseline [M, 2I] alone", ms, flops, wbytes)
+        runs["baseline [M, 2I] alone"] = lambda: run_baseline(args.baseline, A, w13, h, offsets, E, 2 * I, H)
     if not args.skip_cublas:
-        def library():
-            grouped_gemm_per_expert(A, w13, h, offsets_host)
-            ops.swiglu(h, act2, M, I)
-
-        ms = median_ms(library)
-        row(spec, "GEMM 1", "cuBLAS per expert + SwiGLU kernel", ms, flops, wbytes, max_diff(act, act2))
+        runs["cuBLAS per expert [M, 2I]"] = lambda: grouped_gemm_per_expert(A, w13, h, offsets_host)
+    times = interleaved_ms(runs, args.warmup, args.iters)
+    ops.gemm1_swiglu(A, w13, act, offsets, E, I, H)
+    two_kernels()
+    same = "bitwise" if bool((act.view(np.uint16) == act2.view(np.uint16)).all()) else "DIFFER"
+    for path, ms in times.items():
+        row(spec, "GEMM 1", path, ms, flops, wbytes, same if path == "wgmma [M, 2I] + SwiGLU kernel" else "")
 
 
 def gemm2(rs, spec, offsets_host, w2_host, H, I, args):
@@ -180,12 +188,16 @@ def gemm2(rs, spec, offsets_host, w2_host, H, I, args):
                 runs[name] = lambda name=name: ops._wgmma_gemm(name, A, w2, E * H, C, offsets, E, H, I, ops._NO_PEERS, 0)
     if args.baseline:
         runs["baseline (null sink)"] = lambda: run_baseline(args.baseline, A, w2, C, offsets, E, H, I)
-    for path, fn in runs.items():
-        row(spec, "GEMM 2", path, median_ms(fn), flops, wbytes)
+    if not args.skip_cublas:
+        runs["cuBLAS per expert"] = lambda: grouped_gemm_per_expert(A, w2, C_lib, offsets_host)
+    times = interleaved_ms(runs, args.warmup, args.iters)
+    diff = ""
     if not args.skip_cublas:
         ops.grouped_gemm("null", A, w2, C, offsets, E, H, I)
-        ms = median_ms(lambda: grouped_gemm_per_expert(A, w2, C_lib, offsets_host))
-        row(spec, "GEMM 2", "cuBLAS per expert", ms, flops, wbytes, max_diff(C, C_lib))
+        grouped_gemm_per_expert(A, w2, C_lib, offsets_host)
+        diff = max_diff(C, C_lib)
+    for path, ms in times.items():
+        row(spec, "GEMM 2", path, ms, flops, wbytes, diff if path == "cuBLAS per expert" else "")
 
 
 if __name__ == "__main__":
