@@ -1,5 +1,5 @@
 """Combine: GEMM 2's rows back to their home ranks' recv slots, then the fixed-order
-weighted reduction (DESIGN section 2). The fused path is GEMM 2 itself with the peer sink;
+weighted reduction (docs/design.md, "The reduction"). The fused path is GEMM 2 itself with the peer sink;
 the unfused path is GEMM 2 into C followed by a transport of C's rows:
   nccl - pack C's rows by home rank, grouped NCCL send/recv, scatter into recv slots;
   ipc  - push C's rows into the peers' recv slots with the peer sink's own scatter kernel

@@ -1,9 +1,14 @@
-"""The float64 oracle for the whole layer (DESIGN sections 1-2), on the CPU.
+"""The float64 oracle for the whole layer (docs/design.md: "The layer", "Layouts"), on the CPU.
 
 reference_layer follows the real data path (dispatch by the plan of epserve.layout, per-
 expert GEMMs, the recv slots, the fixed-order reduction) and returns every intermediate,
 so a GPU test can check each stage on its own. dense_layer computes the same output with no
 dispatch layout at all, to cross-check the oracle itself.
+
+Where it rounds: nowhere; everything after the bf16 inputs is float64. The GPU path rounds
+to bf16 at four places, which the tolerances of the tests (relative error under 1e-2) cover:
+GEMM 1's gate and up values (fp32 accumulators, rounded before SwiGLU as if [M, 2I] were
+stored), act, GEMM 2's rows (as they land in recv), and the reduced output.
 
 Inputs are W ranks' arrays given as lists (bf16 from ml_dtypes or any float dtype; they are
 converted to float64):

@@ -1,6 +1,6 @@
 """Tensor maps (CUtensorMap) for the TMA loads of the wgmma GEMM, made on the host with the
 driver API and passed by value: a size-1 NumPy array of 16 uint64, which CuPy hands over by
-its data pointer (DESIGN section 8)."""
+its data pointer (docs/design.md, "Hopper from CuPy")."""
 
 from __future__ import annotations
 

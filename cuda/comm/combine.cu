@@ -1,4 +1,4 @@
-// The combine's receive side (DESIGN sections 2 and 4).
+// The combine's receive side (docs/design.md: "Layouts", "Signalling and epochs").
 //   epserve_combine_arm      : adds this call's expected 64-column units to `expected`
 //   epserve_combine_reduce   : waits (bounded) until every expected unit has arrived, then
 //                              out[t] = bf16(sum_j w[t,j] * recv[t,j,:]), fp32, j ascending

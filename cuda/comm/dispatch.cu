@@ -1,4 +1,4 @@
-// Direct-store dispatch (DESIGN sections 2 and 4): every token row crosses to a destination
+// Direct-store dispatch (docs/design.md: "Layouts", "Signalling and epochs"): every token row crosses to a destination
 // rank at most once, however many of that rank's experts it routes to; the destination
 // expands it into the expert-contiguous rows of the dispatch order (local expert, source
 // rank, token, slot). Counts are exchanged on the device, through every rank's count table.

@@ -58,7 +58,7 @@ __device__ __forceinline__ uint4 ld_v4(const void* p) {
   return v;
 }
 
-// ---- cross-GPU ordering and signalling (DESIGN section 4) ----
+// ---- cross-GPU ordering and signalling (docs/design.md, "Signalling and epochs") ----
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;\n" ::: "memory"); }
 __device__ __forceinline__ void red_release_sys_add(unsigned long long* counter, unsigned long long v) {
   asm volatile("red.release.sys.global.add.u64 [%0], %1;\n" ::"l"(counter), "l"(v) : "memory");

@@ -12,5 +12,5 @@ typedef unsigned long long uintptr_t;
 typedef uint16_t bf16_t;
 
 // Local experts one rank may hold: the GEMM's tile scheduler keeps a table per expert and
-// the dispatch layout gives each its own thread (epserve.service.MAX_LOCAL_EXPERTS).
+// the dispatch layout gives each its own thread (epserve.kernel_structs.MAX_LOCAL_EXPERTS).
 #define EPSERVE_MAX_LOCAL_EXPERTS 512

@@ -1,4 +1,4 @@
-// Scatter rows to their home ranks' recv slots (DESIGN sections 2 and 4). Shared by the
+// Scatter rows to their home ranks' recv slots (docs/design.md: "Layouts", "Signalling and epochs"). Shared by the
 // peer sink (rows from the epilogue's shared-memory tile) and the unfused IPC transport
 // (rows from C in global memory): the same destinations, the same signalling.
 #pragma once

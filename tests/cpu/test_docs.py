@@ -16,23 +16,12 @@ OUTSIDE = re.compile(r"\.\./shared|DESIGN\.md|DESIGN sections? \d")
 
 def user_facing_files():
     files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "epserve").rglob("*.py")),
-             *sorted((ROOT / "examples").rglob("*.py")), *sorted((ROOT / "launch").rglob("*.py"))]
+             *sorted((ROOT / "examples").rglob("*.py")), *sorted((ROOT / "launch").rglob("*.py")),
+             *sorted((ROOT / "cuda").rglob("*.cu*"))]
     return [f for f in files if "_cuda" not in f.parts]
 
 
-# Files under rework (issue 12) whose docstrings still cite the old document; strict, so the
-# test fails as soon as one is fixed and not taken off this list.
-POINTERS_PENDING = {"epserve/combine.py", "epserve/reference.py", "epserve/tma.py"}
-
-
-def pending(path):
-    name = str(path.relative_to(ROOT))
-    if name in POINTERS_PENDING:
-        return pytest.param(path, marks=pytest.mark.xfail(strict=True, reason="pointer to the old design pending"))
-    return path
-
-
-@pytest.mark.parametrize("path", [pending(p) for p in user_facing_files()], ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", user_facing_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_pointer_outside_the_repository(path):
     hits = [f"{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1) if OUTSIDE.search(line)]
     assert not hits, f"{path.relative_to(ROOT)} points outside the repository:\n" + "\n".join(hits)
