@@ -90,8 +90,8 @@ def gemm1_swiglu(A, w13, act, expert_offsets, num_experts: int, intermediate: in
                  impl: str | None = None) -> None:
     """act[m] = silu(g) * u with [g | u] = A[m] @ w13[e]^T rounded to bf16, per expert: GEMM 1
     and SwiGLU. A [M, H], w13 [E, 2I, H] (gate rows, then up rows), act [M, I]. The wgmma
-    GEMM applies SwiGLU in its epilogue; the mma.sync one stores [M, 2I] for the SwiGLU
-    kernel. Both give the same bits."""
+    GEMM applies SwiGLU in its epilogue, rounding exactly as its [M, 2I] output followed by
+    the SwiGLU kernel would (the same bits); the mma.sync one stores [M, 2I] for that kernel."""
     I, H = intermediate, hidden
     assert H % 64 == 0 and H > 0 and I % 64 == 0, (I, H)
     if (impl or gemm_impl()) == "mma":
