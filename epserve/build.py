@@ -89,7 +89,9 @@ def _options(defines: dict[str, object], extra: tuple[str, ...]) -> list[str]:
     # ptxas -v puts registers, spills and shared memory in the cached log. --no-cache: NVRTC
     # 12.9+ keeps a cache of its own, and a hit there returns no log at all; ours is keyed
     # by the include closure already.
-    opts = [f"-arch={ARCH}", "-std=c++17", "-lineinfo", "--ptxas-options=-v"]
+    # -default-device: every kernel source is device code, and NVRTC before 13.5 takes the
+    # operator() of a generic lambda inside a kernel for a host function without it.
+    opts = [f"-arch={ARCH}", "-std=c++17", "-default-device", "-lineinfo", "--ptxas-options=-v"]
     if nvrtc_version() >= (12, 9):
         opts.append("--no-cache")
     opts += [f"-D{k}" if v is None else f"-D{k}={v}" for k, v in sorted(defines.items())]

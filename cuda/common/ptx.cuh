@@ -116,6 +116,13 @@ __device__ __forceinline__ void fence_operands(float (&r)[kN]) {
 #pragma unroll
   for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
+// The same for the first kCount registers only (an instruction with fewer accumulators).
+template <int kCount, int kN>
+__device__ __forceinline__ void fence_operands_prefix(float (&r)[kN]) {
+  static_assert(kCount <= kN, "prefix");
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
 template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");

@@ -33,6 +33,7 @@
 #include "common/bf16.cuh"
 #include "common/ptx.cuh"
 #include "common/wgmma_m64n256.cuh"
+#include "common/wgmma_m64nN.cuh"
 #include "ffn/swiglu.cuh"
 #include "gemm/tile_scheduler.cuh"
 #include "sinks/ep_peer_sink.cuh"
@@ -45,12 +46,21 @@
 #ifndef EPSERVE_GEMM_SWIGLU
 #define EPSERVE_GEMM_SWIGLU 0
 #endif
+#ifndef EPSERVE_GEMM_SWAP_TAILS
+#define EPSERVE_GEMM_SWAP_TAILS 1  // 0: partial m-tiles in 64-row halves (for A/B timing)
+#endif
+#ifndef EPSERVE_GEMM_SWAP_STEP
+#define EPSERVE_GEMM_SWAP_STEP 16  // a swapped tile's rows are rounded up to this: 16, 32, 64 or 128
+#endif
 
 namespace {
 
 using Sink = EPSERVE_SINK;
 using namespace epserve;
 constexpr bool kSwiGLU = EPSERVE_GEMM_SWIGLU != 0;
+constexpr bool kSwapTails = EPSERVE_GEMM_SWAP_TAILS != 0;
+constexpr int kSwapStep = EPSERVE_GEMM_SWAP_STEP;
+static_assert(kSwapStep % 16 == 0 && 128 % kSwapStep == 0, "swapped widths: wgmma_m64nN.cuh has N = 16, 32, .., 128");
 static_assert(!(kSwiGLU && Sink::kEnabled), "GEMM 1 keeps act on this GPU: its sink is the null one");
 constexpr int kBM = 128, kBN = 256, kBK = 64;      // kBN: accumulator columns of a tile
 constexpr int kOutCols = kSwiGLU ? kBN / 2 : kBN;  // output columns of a tile
@@ -115,6 +125,29 @@ using Scheduler = GroupedTileScheduler<kBM, kOutCols, EPSERVE_GROUP_N>;
 struct alignas(64) TensorMap {
   unsigned long long opaque[16];
 };
+
+template <int N>
+struct SwapWidth {
+  static constexpr int value = N;
+};
+
+// f(SwapWidth<n>{}) for the runtime width n (a multiple of kSwapStep up to 128): the
+// swapped mainloop and epilogue are instantiated once per width.
+template <int N = kSwapStep, class F>
+__device__ __forceinline__ void with_swap_width(int n, F&& f) {
+  if constexpr (N >= 128) {
+    f(SwapWidth<128>{});
+  } else {
+    if (n == N) f(SwapWidth<N>{});
+    else with_swap_width<N + kSwapStep>(n, f);
+  }
+}
+
+// The first B-stage row (weight row of the tile) of consumer warpgroup w's m-block b in a
+// swapped tile, and the output column that row becomes. With SwiGLU a warpgroup takes
+// matching gate (b = 0) and up (b = 1) rows, so each thread holds both for its columns.
+__device__ __forceinline__ int swap_weight_row(int w, int b) { return kSwiGLU ? 128 * b + 64 * w : 128 * w + 64 * b; }
+__device__ __forceinline__ int swap_out_col(int w, int b) { return kSwiGLU ? 64 * w : 128 * w + 64 * b; }
 
 }  // namespace
 
@@ -241,17 +274,26 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       const int index = stage_tile[stage];
       if (index < 0) break;
       const GroupedTile t = sched.tile(index);
-      const bool computes = warpgroup * 64 < t.rows;  // this warpgroup's 64 rows hold some real ones
-      if (computes) {
+      // An expert's last, partial m-tile runs with A and B swapped (swap_n > 0): the tile's
+      // 256 weight rows are the wgmma's M (two m64 blocks per warpgroup) and its real rows,
+      // rounded up to 16, its N; otherwise the rows are M and a warpgroup with no real rows
+      // in its 64 skips the MMA.
+      const int swap_n = kSwapTails && t.rows < kBM ? (t.rows + kSwapStep - 1) / kSwapStep * kSwapStep : 0;
+      const bool computes = swap_n > 0 || warpgroup * 64 < t.rows;
+      // A swapped tile's accumulators: m-block 0 in acc[0, N/2), m-block 1 in acc2. Not in
+      // acc + 64: ptxas serializes every wgmma of the kernel when one instruction's
+      // accumulators are a sub-range of another's (C7511). acc2 lives in this loop body and
+      // a full tile zeroes acc before its MMA, so no path keeps more than 128 of them live
+      // (with 192, GEMM 1's SwiGLU epilogue spilled).
+      float acc2[64];
+      // One tile's k-slices; issue_slice(a, b, kt) issues a stage's wgmmas. Each caller sits in
+      // its own branch, with the whole wgmma bracket inside it, so ptxas keeps it asynchronous.
+      auto mainloop = [&](auto issue_slice) {
         int in_flight = -1;  // the stage whose wgmmas may still run (depth 1)
         for (int kt = 0; kt < k_slices; ++kt) {
           mbarrier_wait(&full[stage], phase);
-          const unsigned char* a = ring_a + stage * kStageA + warpgroup * kHalfA;
-          const unsigned char* b = ring_b + stage * kStageB;
           wgmma_fence();
-#pragma unroll
-          for (int kk = 0; kk < kBK / 16; ++kk)
-            wgmma_m64n256k16(acc, smem_desc_sw128(a + kk * 32), smem_desc_sw128(b + kk * 32), (kt | kk) != 0);
+          issue_slice(ring_a + stage * kStageA, ring_b + stage * kStageB, kt);
           wgmma_commit();
           wgmma_wait<kWgmmaDepth>();
           if constexpr (kWgmmaDepth == 0) {
@@ -266,14 +308,41 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           wgmma_wait<0>();
           if (in_flight >= 0) release(in_flight);
         }
-      } else {  // the whole wgmma bracket sits on one side of the branch, so ptxas keeps it asynchronous
+      };
+      auto swapped = [&](auto width) {
+        constexpr int N = decltype(width)::value;
+        mainloop([&](const unsigned char* a, const unsigned char* b, int kt) {
+#pragma unroll
+          for (int kk = 0; kk < kBK / 16; ++kk) {
+            const uint64_t rows_desc = smem_desc_sw128(a + kk * 32);
+            wgmma_m64nNk16<N>(acc, smem_desc_sw128(b + swap_weight_row(warpgroup, 0) * 128 + kk * 32), rows_desc,
+                              (kt | kk) != 0);
+            wgmma_m64nNk16<N>(acc2, smem_desc_sw128(b + swap_weight_row(warpgroup, 1) * 128 + kk * 32),
+                              rows_desc, (kt | kk) != 0);
+          }
+        });
+        fence_operands_prefix<64>(acc);
+        fence_operands(acc2);
+      };
+      if (swap_n == 0 && computes) {
+#pragma unroll
+        for (int i = 0; i < 128; ++i) acc[i] = 0.f;  // ends the previous tile's live range; the MMA overwrites it
+        mainloop([&](const unsigned char* a, const unsigned char* b, int kt) {
+#pragma unroll
+          for (int kk = 0; kk < kBK / 16; ++kk)
+            wgmma_m64n256k16(acc, smem_desc_sw128(a + warpgroup * kHalfA + kk * 32), smem_desc_sw128(b + kk * 32),
+                             (kt | kk) != 0);
+        });
+        fence_operands(acc);
+      } else if (swap_n == 0) {
         for (int kt = 0; kt < k_slices; ++kt) {
           mbarrier_wait(&full[stage], phase);
           release(stage);
           advance();
         }
+      } else if constexpr (kSwapTails) {
+        with_swap_width(swap_n, swapped);
       }
-      fence_operands(acc);
 
       if constexpr (Sink::kEnabled) {
         if (gate < 0) continue;  // the peer sink gated off: the math alone
@@ -287,7 +356,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       const int row = warpgroup * 64 + warp * 16 + lane / 4;
       const int colq = 2 * (lane % 4);
       auto put = [&](int r, int col, uint32_t v) { *reinterpret_cast<uint32_t*>(out_tile + OutTile::offset(r, col)) = v; };
-      if (computes) {
+      if (swap_n == 0 && computes) {
         if constexpr (kSwiGLU) {  // block j holds gate columns, block j + kOutCols / 8 the same columns' up
 #pragma unroll
           for (int j = 0; j < kOutCols / 8; ++j) {
@@ -304,6 +373,37 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             put(row + 8, 8 * j + colq, pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]));
           }
         }
+      } else if (swap_n > 0) {
+        // Swapped accumulators hold the tile transposed: thread (warp, lane) has, per n8
+        // block j, output columns c = 16 * warp + lane / 4 (and c + 8) at rows 8j + 2q and
+        // 8j + 2q + 1 (q = lane % 4). Lanes 4 apart hold neighbouring columns, so one shuffle
+        // turns two column-pairs into two row-pairs: the even column's lane keeps row 8j + 2q,
+        // the odd one's row 8j + 2q + 1, each with a 4-byte (two-column) word to store.
+        const bool odd = (lane >> 2) & 1;
+        const int col = warp * 16 + (lane / 4 & ~1);
+        auto store_swapped = [&](auto width) {
+          constexpr int N = decltype(width)::value;
+#pragma unroll
+          for (int j = 0; j < N / 8; ++j) {
+            const int r = 8 * j + colq + odd;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              auto pair = [&](const auto& d) {
+                const float v0 = d[4 * j + 2 * h], v1 = d[4 * j + 2 * h + 1];
+                const float other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
+                return odd ? pack_bf16x2(other, v1) : pack_bf16x2(v0, other);
+              };
+              if constexpr (kSwiGLU) {
+                const uint32_t gate_pair = pair(acc), up_pair = pair(acc2);
+                put(r, swap_out_col(warpgroup, 0) + col + 8 * h, swiglu_bf16x2(gate_pair, up_pair));
+              } else {
+                put(r, swap_out_col(warpgroup, 0) + col + 8 * h, pair(acc));
+                put(r, swap_out_col(warpgroup, 1) + col + 8 * h, pair(acc2));
+              }
+            }
+          }
+        };
+        if constexpr (kSwapTails) with_swap_width(swap_n, store_swapped);
       }
       const int cols = min(kOutCols, N - t.n_abs);
       if constexpr (kWriterWarps) {  // the hand-over's barrier publishes the tile to the writers

@@ -274,13 +274,14 @@ def layer_work(counts: RoutingCounts, hidden, intermediate, dedup_dispatch: bool
                 dispatch_nvlink_bytes(counts, hidden, dedup_dispatch) + combine_nvlink_bytes(counts, hidden))
 
 
-def mma_row_fraction(rows_per_expert, tile_rows: int = 128, half_tile_rows: int = 64) -> float:
+def mma_row_fraction(rows_per_expert, tile_rows: int = 128, tail_step: int = 16) -> float:
     """The share of the grouped GEMM's MMA rows that are real rows: each expert's rows go in
-    tile_rows-row tiles, and a tail of at most half_tile_rows rows costs half a tile (the
-    wgmma GEMM's second warpgroup skips it). 1.0 when no expert has rows."""
+    tile_rows-row tiles, and its last, partial tile costs its rows rounded up to tail_step
+    (the wgmma GEMM swaps A and B for it, so its rows are the wgmma's N, in steps of 16;
+    tail_step = tile_rows counts whole tiles). 1.0 when no expert has rows."""
     rows = np.asarray(rows_per_expert, np.int64)
     tail = rows % tile_rows
-    tail_cost = np.where(tail == 0, 0, np.where(tail <= half_tile_rows, half_tile_rows, tile_rows))
+    tail_cost = -(-tail // tail_step) * tail_step
     cost = (rows - tail) + tail_cost
     return float(rows.sum() / cost.sum()) if cost.sum() else 1.0
 

@@ -33,10 +33,14 @@ from epserve.kernel_structs import PEER_SEND_CONFIG
 
 # Experimental builds of the wgmma GEMM (null sink): name -> extra defines.
 VARIANTS = {
-    "gemm_wgmma_null+depth1": ("gemm_wgmma_null", {"EPSERVE_WGMMA_DEPTH": 1}),
-    "gemm_wgmma_null+group8": ("gemm_wgmma_null", {"EPSERVE_GROUP_N": 8}),
-    "gemm1_wgmma_swiglu+depth0": ("gemm1_wgmma_swiglu", {"EPSERVE_WGMMA_DEPTH": 0}),
-    "gemm1_wgmma_swiglu+group8": ("gemm1_wgmma_swiglu", {"EPSERVE_GROUP_N": 8}),
+    "gemm_wgmma_null+tails64": ("gemm_wgmma_null", {"EPSERVE_GEMM_SWAP_TAILS": 0}),
+    "gemm_wgmma_null+step16": ("gemm_wgmma_null", {"EPSERVE_GEMM_SWAP_STEP": 16}),
+    "gemm_wgmma_null+step32": ("gemm_wgmma_null", {"EPSERVE_GEMM_SWAP_STEP": 32}),
+    "gemm_wgmma_null+step128": ("gemm_wgmma_null", {"EPSERVE_GEMM_SWAP_STEP": 128}),
+    "gemm1_wgmma_swiglu+tails64": ("gemm1_wgmma_swiglu", {"EPSERVE_GEMM_SWAP_TAILS": 0}),
+    "gemm1_wgmma_swiglu+step16": ("gemm1_wgmma_swiglu", {"EPSERVE_GEMM_SWAP_STEP": 16}),
+    "gemm1_wgmma_swiglu+step32": ("gemm1_wgmma_swiglu", {"EPSERVE_GEMM_SWAP_STEP": 32}),
+    "gemm1_wgmma_swiglu+step128": ("gemm1_wgmma_swiglu", {"EPSERVE_GEMM_SWAP_STEP": 128}),
 }
 
 
@@ -72,7 +76,8 @@ def main():
         rows = rows_per_expert(spec, preset, args.ranks, args.seed)
         print(f"# {spec}: {rows.sum()} rows, per expert min {rows.min()} mean {rows.mean():.1f} max {rows.max()}; "
               f"real share of MMA rows: {arithmetic.mma_row_fraction(rows, 128, 128):.3f} with 128-row tiles, "
-              f"{arithmetic.mma_row_fraction(rows):.3f} with 64-row tails")
+              f"{arithmetic.mma_row_fraction(rows, 128, 64):.3f} with 64-row tails, "
+              f"{arithmetic.mma_row_fraction(rows):.3f} with swapped tails (16-row steps)")
         offsets_host = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
         gemm1(rs, spec, offsets_host, weights["w13"], H, I, args)
         gemm2(rs, spec, offsets_host, weights["w2"], H, I, args)

@@ -1,5 +1,6 @@
-"""GEMM 1 with SwiGLU in its epilogue, and the wgmma GEMM's ragged tiles (tails of at most
-64 rows run on one warpgroup), on one GPU against the two-kernel path and float64 NumPy."""
+"""GEMM 1 with SwiGLU in its epilogue, and the wgmma GEMM's ragged tiles (an expert's last,
+partial m-tile runs with A and B swapped, its rows the wgmma's N in steps of 16), on one GPU
+against the two-kernel path and float64 NumPy."""
 
 import numpy as np
 import pytest
@@ -8,8 +9,9 @@ from epserve.testing import BF16, bf16_bits
 
 pytestmark = pytest.mark.gpu
 
-# Tails of every kind: none, 1, 63, 64 (one warpgroup), 65, 127 (both), empty experts.
-RAGGED = [64, 65, 1, 0, 127, 128, 129, 192, 63, 300]
+# Tails of every swapped width (16 .. 128 in steps of 16, each at both ends: 1 and 16, 17
+# and 32, ..., 113 and 127), whole tiles, whole tiles with a tail, empty experts.
+RAGGED = [64, 65, 1, 0, 127, 128, 129, 192, 63, 300, 16, 17, 32, 33, 48, 49, 80, 96, 97, 112, 113, 255]
 
 
 def _offsets(rows_per_expert):
