@@ -51,6 +51,13 @@ def _b_box_rows(variant: str, device: int) -> int:
     return _module_int(kernels.module(variant), "epserve_gemm_b_box_rows")
 
 
+@functools.lru_cache(maxsize=None)
+def _wgmma_grid(variant: str, device: int) -> int:
+    """One CTA per SM, in whole clusters (the wgmma GEMM's CTA pairs share A tiles)."""
+    cluster = _module_int(kernels.module(variant), "epserve_gemm_cluster")
+    return _sm_count(device) // cluster * cluster
+
+
 _NO_PEERS = np.zeros(1, PEER_SEND_CONFIG)  # what the null sink is given: it never reads it
 
 
@@ -126,7 +133,7 @@ def _wgmma_gemm(variant: str, A, B, b_rows: int, C, expert_offsets, num_experts:
     counter = _tile_counter(device, cupy.cuda.get_current_stream().ptr)
     args = (map_a, map_b, _ptr(C), _ptr(expert_offsets), np.int32(num_experts), np.int32(N), np.int32(K), cfg,
             np.int32(gate), _ptr(counter))
-    fn((_sm_count(device),), (threads,), args, shared_mem=smem)
+    fn((_wgmma_grid(variant, device),), (threads,), args, shared_mem=smem)
 
 
 def swiglu(h, act, M: int, intermediate: int) -> None:

@@ -107,6 +107,63 @@ __device__ __forceinline__ void tma_load_2d(void* smem_dst, const void* tensor_m
       "l"(tensor_map), "r"(x), "r"(y), "r"(smem_u32(bar))
       : "memory");
 }
+// ---- thread-block clusters (the wgmma GEMM's CTA pairs) ----
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// Every thread of every CTA of the cluster; not .aligned, since the warp roles arrive from
+// different code.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+// The address of the same shared-memory object in CTA `cta` of the cluster.
+__device__ __forceinline__ uint32_t cluster_peer_u32(const void* p, uint32_t cta) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(smem_u32(p)), "r"(cta));
+  return r;
+}
+// Arrive on CTA `cta`'s barrier. Default semantics (release at CTA scope), as a consumer freeing
+// a stage needs: its wgmmas have read the stage, and the overwrite is the async proxy's.
+__device__ __forceinline__ void mbarrier_arrive_remote(uint64_t* bar, uint32_t cta) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_peer_u32(bar, cta)) : "memory");
+}
+__device__ __forceinline__ void mbarrier_expect_tx_remote(uint64_t* bar, uint32_t cta, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cluster.b64 _, [%0], %1;\n" ::"r"(cluster_peer_u32(bar, cta)),
+               "r"(bytes)
+               : "memory");
+}
+// The same with release at cluster scope: what this thread stored into the peer before it
+// (st_shared_cluster) is seen by a peer thread that waits with mbarrier_wait_cluster.
+__device__ __forceinline__ void mbarrier_expect_tx_cluster(uint64_t* bar, uint32_t cta, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cluster.shared::cluster.b64 _, [%0], %1;\n" ::"r"(
+                   cluster_peer_u32(bar, cta)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void st_shared_cluster(int* p, uint32_t cta, int v) {
+  asm volatile("st.shared::cluster.s32 [%0], %1;\n" ::"r"(cluster_peer_u32(p, cta)), "r"(v) : "memory");
+}
+// mbarrier_wait that also sees what another CTA of the cluster wrote before its release-arrive.
+__device__ __forceinline__ void mbarrier_wait_cluster(uint64_t* bar, uint32_t phase) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(phase)
+      : "memory");
+}
+// tma_load_2d into the same offset of every CTA whose bit is set in cta_mask; each
+// destination's barrier at `bar`'s offset gets the box's bytes.
+__device__ __forceinline__ void tma_load_2d_multicast(void* smem_dst, const void* tensor_map, uint64_t* bar, int x,
+                                                      int y, uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(smem_u32(smem_dst)),
+      "l"(tensor_map), "r"(x), "r"(y), "r"(smem_u32(bar)), "h"(cta_mask)
+      : "memory");
+}
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 // Pins accumulator registers in place: the compiler must not move their reads or writes

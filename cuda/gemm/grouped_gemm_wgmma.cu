@@ -30,6 +30,17 @@
 // keeps one k-slice's wgmmas in flight while it issues the next (wgmma.wait_group 1) and
 // frees a stage only when its wgmmas are done; with 3 that would leave the producer a single
 // stage to fill, so it waits for each slice (depth 0). -DEPSERVE_WGMMA_DEPTH overrides it.
+//
+// Two knobs, off by default because they measured slower here (notes/gemm.md, "Swapped
+// tails and CTA pairs"); tests/gpu/test_gemm_swiglu.py holds every build to the default's bits:
+// - EPSERVE_GEMM_SWAP_TAILS=1: an expert's last, partial m-tile runs with A and B swapped,
+//   the weight rows as the wgmma's M and the tile's rows, rounded up to EPSERVE_GEMM_SWAP_STEP
+//   (16), as its N (common/wgmma_m64nN.cuh): 97% of the MMA rows real instead of 89% at
+//   balanced routing, but no faster, since the tiles are bound by their operand traffic.
+// - EPSERVE_GEMM_CLUSTER=2: CTA pairs (__cluster_dims__) compute neighbouring column tiles of
+//   the same rows; the leader's producer feeds both, the A tile once by TMA multicast, so A's
+//   L2 reads halve. Barrier operations at cluster scope in the k-loop cost 50%; with them at
+//   CTA scope the pairs still ran 2-5% behind single CTAs.
 #include "common/bf16.cuh"
 #include "common/ptx.cuh"
 #include "common/wgmma_m64n256.cuh"
@@ -47,7 +58,10 @@
 #define EPSERVE_GEMM_SWIGLU 0
 #endif
 #ifndef EPSERVE_GEMM_SWAP_TAILS
-#define EPSERVE_GEMM_SWAP_TAILS 1  // 0: partial m-tiles in 64-row halves (for A/B timing)
+#define EPSERVE_GEMM_SWAP_TAILS 0  // 1: an expert's partial m-tile runs with A and B swapped
+#endif
+#ifndef EPSERVE_GEMM_CLUSTER
+#define EPSERVE_GEMM_CLUSTER 1  // 2: CTA pairs share A tiles by TMA multicast (for A/B timing)
 #endif
 #ifndef EPSERVE_GEMM_SWAP_STEP
 #define EPSERVE_GEMM_SWAP_STEP 16  // a swapped tile's rows are rounded up to this: 16, 32, 64 or 128
@@ -60,6 +74,8 @@ using namespace epserve;
 constexpr bool kSwiGLU = EPSERVE_GEMM_SWIGLU != 0;
 constexpr bool kSwapTails = EPSERVE_GEMM_SWAP_TAILS != 0;
 constexpr int kSwapStep = EPSERVE_GEMM_SWAP_STEP;
+constexpr int kCluster = EPSERVE_GEMM_CLUSTER;
+static_assert(kCluster == 1 || kCluster == 2, "clusters of one or two CTAs");
 static_assert(kSwapStep % 16 == 0 && 128 % kSwapStep == 0, "swapped widths: wgmma_m64nN.cuh has N = 16, 32, .., 128");
 static_assert(!(kSwiGLU && Sink::kEnabled), "GEMM 1 keeps act on this GPU: its sink is the null one");
 constexpr int kBM = 128, kBN = 256, kBK = 64;      // kBN: accumulator columns of a tile
@@ -120,7 +136,9 @@ constexpr int kEpilogueBarrier = 1;  // named barrier of the consumer warpgroups
 #ifndef EPSERVE_GROUP_N
 #define EPSERVE_GROUP_N 4  // n-tiles of a weight-sharing group (gemm/tile_scheduler.cuh)
 #endif
-using Scheduler = GroupedTileScheduler<kBM, kOutCols, EPSERVE_GROUP_N>;
+// A scheduled tile spans the cluster's CTAs side by side in N: CTA r computes output columns
+// [n_abs + r * kOutCols, + kOutCols) of the same rows.
+using Scheduler = GroupedTileScheduler<kBM, kOutCols * kCluster, EPSERVE_GROUP_N>;
 
 struct alignas(64) TensorMap {
   unsigned long long opaque[16];
@@ -155,11 +173,18 @@ extern "C" __constant__ int epserve_gemm_smem_bytes = kSmemBytes;
 extern "C" __constant__ int epserve_gemm_threads = kThreads;
 extern "C" __constant__ int epserve_gemm_stages = kStages;
 extern "C" __constant__ int epserve_gemm_b_box_rows = kBN / kBLoads;  // the rows of B's TMA box
+extern "C" __constant__ int epserve_gemm_cluster = kCluster;  // the grid is a multiple of it
+
+#if EPSERVE_GEMM_CLUSTER > 1
+#define EPSERVE_GEMM_CLUSTER_DIMS __cluster_dims__(EPSERVE_GEMM_CLUSTER, 1, 1)
+#else
+#define EPSERVE_GEMM_CLUSTER_DIMS
+#endif
 
 // N: output columns (C is [M, N]). B holds N rows per expert, or 2N with SwiGLU.
 // tile_counter: two ints, zero at launch and zero again when the kernel ends (the last CTA
 // to finish resets them), so launches on one stream can share them, graph replays too.
-extern "C" __global__ void __launch_bounds__(kThreads, 1)
+extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads, 1)
     epserve_grouped_gemm_wgmma(const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b,
                                bf16_t* __restrict__ C, const int* __restrict__ expert_offsets, int num_experts, int N,
                                int K, const PeerSendConfig cfg, int gate, int* __restrict__ tile_counter) {
@@ -177,12 +202,18 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     if (smem_u32(smem) & 1023u) __trap();  // the 128-byte swizzle's pattern is tied to 1024-byte alignment
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&full[s], 1);
-      mbarrier_init(&empty[s], kConsumers);
+      mbarrier_init(&empty[s], kConsumers * kCluster);  // the leader's count every CTA's consumers
     }
     fence_mbarrier_init();
   }
   Scheduler sched;
   sched.init(expert_offsets, num_experts, N, mtile_prefix);  // its __syncthreads publishes the barriers too
+  // With clusters, the leader CTA's producer feeds both CTAs: the A tile by multicast, each
+  // CTA's B tile (its own output columns), each stage's tile index by a remote store, and the
+  // peer's full barrier by a remote arrive; both CTAs' consumers free a stage on the
+  // leader's empty barrier. So the peer's barriers must exist before the leader starts.
+  const uint32_t cta = kCluster > 1 ? cluster_ctarank() : 0;
+  if constexpr (kCluster > 1) cluster_sync();
   const int k_slices = K / kBK;
   // Read through a shuffle so the compiler knows it is warp-uniform: the mainloop's stage and
   // descriptor arithmetic then stays in uniform registers, off the wgmma issue path.
@@ -209,21 +240,35 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         });
       }
     }
-    // Producer: one thread takes tiles from the counter, in the scheduler's order, and keeps
-    // the ring full. A tile's first stage carries its index to the consumers (the stage's
-    // full barrier publishes it); index -1 in an otherwise empty stage tells them to stop.
-    if (threadIdx.x % 128 == 0) {
+    // Producer: one thread (of the cluster's leader) takes tiles from the counter, in the
+    // scheduler's order, and keeps the ring full. A tile's first stage carries its index to
+    // the consumers (the stage's full barrier publishes it); index -1 in an otherwise empty
+    // stage tells them to stop.
+    if (threadIdx.x % 128 == 0 && cta == 0) {
       int stage = 0;
       uint32_t phase = 0;
+      auto publish = [&](int r, int value) {  // stage_tile[stage] of CTA r
+        if (r == 0) stage_tile[stage] = value;
+        else st_shared_cluster(&stage_tile[stage], r, value);
+      };
+      // CTA r's full barrier: one arrival and its bytes. The arrival that follows a publish
+      // releases at cluster scope (the follower reads the index after it); the others need not.
+      auto expect = [&](int r, uint32_t bytes, bool published) {
+        if (r == 0) mbarrier_expect_tx(&full[stage], bytes);
+        else if (published) mbarrier_expect_tx_cluster(&full[stage], r, bytes);
+        else mbarrier_expect_tx_remote(&full[stage], r, bytes);
+      };
       for (;;) {
         const int index = atomicAdd(tile_counter, 1);
         if (index >= sched.total_tiles) {
           mbarrier_wait(&empty[stage], phase ^ 1);
-          stage_tile[stage] = -1;
-          mbarrier_arrive(&full[stage]);
-          // The last CTA to stop resets the counter for the next launch on the stream:
-          // every CTA has taken its last ticket by then.
-          if (atomicAdd(tile_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+          for (int r = 0; r < kCluster; ++r) {
+            publish(r, -1);
+            expect(r, 0, true);
+          }
+          // The last cluster to stop resets the counter for the next launch on the stream:
+          // every cluster has taken its last ticket by then.
+          if (atomicAdd(tile_counter + 1, 1) == static_cast<int>(gridDim.x) / kCluster - 1) {
             tile_counter[0] = 0;
             tile_counter[1] = 0;
           }
@@ -231,19 +276,35 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         }
         const GroupedTile t = sched.tile(index);
         const int halves = t.rows > 64 ? 2 : 1;
-        const int b_row = t.expert * (kSwiGLU ? 2 * N : N) + t.n_abs;
         for (int kt = 0; kt < k_slices; ++kt) {
-          mbarrier_wait(&empty[stage], phase ^ 1);
-          if (kt == 0) stage_tile[stage] = index;
-          mbarrier_expect_tx(&full[stage], halves * kHalfA + kStageB);
-          for (int h = 0; h < halves; ++h)
-            tma_load_2d(ring_a + stage * kStageA + h * kHalfA, &map_a, &full[stage], kt * kBK, t.m_abs + 64 * h);
-          unsigned char* b = ring_b + stage * kStageB;
-          if constexpr (kSwiGLU) {  // gate rows, then the matching up rows
-            tma_load_2d(b, &map_b, &full[stage], kt * kBK, b_row);
-            tma_load_2d(b + kStageB / 2, &map_b, &full[stage], kt * kBK, b_row + N);
-          } else {
-            tma_load_2d(b, &map_b, &full[stage], kt * kBK, b_row);
+          mbarrier_wait(&empty[stage], phase ^ 1);  // every CTA's consumers are done with the stage
+          for (int r = 0; r < kCluster; ++r) {
+            const bool has_cols = t.n_abs + r * kOutCols < N;
+            if (kt == 0) publish(r, index);
+            expect(r, halves * kHalfA + (has_cols ? kStageB : 0), kt == 0);
+          }
+          for (int h = 0; h < halves; ++h) {
+            unsigned char* a = ring_a + stage * kStageA + h * kHalfA;
+            if constexpr (kCluster > 1)
+              tma_load_2d_multicast(a, &map_a, &full[stage], kt * kBK, t.m_abs + 64 * h, (1u << kCluster) - 1);
+            else
+              tma_load_2d(a, &map_a, &full[stage], kt * kBK, t.m_abs + 64 * h);
+          }
+          for (int r = 0; r < kCluster; ++r) {
+            const int n_abs = t.n_abs + r * kOutCols;
+            if (n_abs >= N) break;  // an odd last column tile: the peer has none
+            const int b_row = t.expert * (kSwiGLU ? 2 * N : N) + n_abs;
+            unsigned char* b = ring_b + stage * kStageB;
+            auto load_b = [&](unsigned char* dst, int row) {  // into CTA r's stage
+              if (r == 0) tma_load_2d(dst, &map_b, &full[stage], kt * kBK, row);
+              else tma_load_2d_multicast(dst, &map_b, &full[stage], kt * kBK, row, static_cast<uint16_t>(1u << r));
+            };
+            if constexpr (kSwiGLU) {  // gate rows, then the matching up rows
+              load_b(b, b_row);
+              load_b(b + kStageB / 2, b_row + N);
+            } else {
+              load_b(b, b_row);
+            }
           }
           if (++stage == kStages) {
             stage = 0;
@@ -256,8 +317,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     setmaxnreg_inc<kConsumerRegs>();
     const int tid = threadIdx.x;  // 0 .. kConsumerThreads - 1
     const int lane = tid % 32, warp = (tid % 128) / 32;
-    auto release = [&](int s) {
-      if (tid % 128 == 0) mbarrier_arrive(&empty[s]);
+    auto release = [&](int s) {  // on the leader's empty barrier
+      if (tid % 128 == 0) {
+        if (cta == 0) mbarrier_arrive(&empty[s]);
+        else mbarrier_arrive_remote(&empty[s], 0);
+      }
     };
     int stage = 0;
     uint32_t phase = 0;
@@ -270,16 +334,22 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     float acc[128];
     bool tile_pending = false;  // the writer warps still hold the shared output tile
     for (;;) {
-      mbarrier_wait(&full[stage], phase);  // the tile's first stage (the mainloop's wait on it returns at once)
+      // The tile's first stage (the mainloop's wait on it returns at once). The follower's
+      // index is the leader's remote store, which the cluster-scope acquire makes visible.
+      if (cta == 0) mbarrier_wait(&full[stage], phase);
+      else mbarrier_wait_cluster(&full[stage], phase);
       const int index = stage_tile[stage];
       if (index < 0) break;
-      const GroupedTile t = sched.tile(index);
+      GroupedTile t = sched.tile(index);
+      t.n_abs += cta * kOutCols;
+      const bool has_cols = t.n_abs < N;  // an odd last column tile leaves the follower none
       // An expert's last, partial m-tile runs with A and B swapped (swap_n > 0): the tile's
       // 256 weight rows are the wgmma's M (two m64 blocks per warpgroup) and its real rows,
       // rounded up to 16, its N; otherwise the rows are M and a warpgroup with no real rows
       // in its 64 skips the MMA.
-      const int swap_n = kSwapTails && t.rows < kBM ? (t.rows + kSwapStep - 1) / kSwapStep * kSwapStep : 0;
-      const bool computes = swap_n > 0 || warpgroup * 64 < t.rows;
+      const int swap_n =
+          kSwapTails && has_cols && t.rows < kBM ? (t.rows + kSwapStep - 1) / kSwapStep * kSwapStep : 0;
+      const bool computes = has_cols && (swap_n > 0 || warpgroup * 64 < t.rows);
       // A swapped tile's accumulators: m-block 0 in acc[0, N/2), m-block 1 in acc2. Not in
       // acc + 64: ptxas serializes every wgmma of the kernel when one instruction's
       // accumulators are a sub-range of another's (C7511). acc2 lives in this loop body and
@@ -344,6 +414,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         with_swap_width(swap_n, swapped);
       }
 
+      if (!has_cols) continue;
       if constexpr (Sink::kEnabled) {
         if (gate < 0) continue;  // the peer sink gated off: the math alone
       }
@@ -426,4 +497,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       CMailbox::shutdown(mailbox, tile_pending, tid);
     }
   }
+  // No CTA of a cluster leaves while the other may still arrive on its barriers or receive
+  // its multicast loads.
+  if constexpr (kCluster > 1) cluster_sync();
 }

@@ -33,14 +33,12 @@ from epserve.kernel_structs import PEER_SEND_CONFIG
 
 # Experimental builds of the wgmma GEMM (null sink): name -> extra defines.
 VARIANTS = {
-    "gemm_wgmma_null+tails64": ("gemm_wgmma_null", {"EPSERVE_GEMM_SWAP_TAILS": 0}),
-    "gemm_wgmma_null+step16": ("gemm_wgmma_null", {"EPSERVE_GEMM_SWAP_STEP": 16}),
-    "gemm_wgmma_null+step32": ("gemm_wgmma_null", {"EPSERVE_GEMM_SWAP_STEP": 32}),
-    "gemm_wgmma_null+step128": ("gemm_wgmma_null", {"EPSERVE_GEMM_SWAP_STEP": 128}),
-    "gemm1_wgmma_swiglu+tails64": ("gemm1_wgmma_swiglu", {"EPSERVE_GEMM_SWAP_TAILS": 0}),
-    "gemm1_wgmma_swiglu+step16": ("gemm1_wgmma_swiglu", {"EPSERVE_GEMM_SWAP_STEP": 16}),
-    "gemm1_wgmma_swiglu+step32": ("gemm1_wgmma_swiglu", {"EPSERVE_GEMM_SWAP_STEP": 32}),
-    "gemm1_wgmma_swiglu+step128": ("gemm1_wgmma_swiglu", {"EPSERVE_GEMM_SWAP_STEP": 128}),
+    "gemm_wgmma_null+cluster2": ("gemm_wgmma_null", {"EPSERVE_GEMM_CLUSTER": 2}),
+    "gemm_wgmma_null+swap": ("gemm_wgmma_null", {"EPSERVE_GEMM_SWAP_TAILS": 1}),
+    "gemm_wgmma_null+group2": ("gemm_wgmma_null", {"EPSERVE_GROUP_N": 2}),
+    "gemm1_wgmma_swiglu+cluster2": ("gemm1_wgmma_swiglu", {"EPSERVE_GEMM_CLUSTER": 2}),
+    "gemm1_wgmma_swiglu+swap": ("gemm1_wgmma_swiglu", {"EPSERVE_GEMM_SWAP_TAILS": 1}),
+    "gemm1_wgmma_swiglu+group2": ("gemm1_wgmma_swiglu", {"EPSERVE_GROUP_N": 2}),
 }
 
 

@@ -1,6 +1,7 @@
-"""GEMM 1 with SwiGLU in its epilogue, and the wgmma GEMM's ragged tiles (an expert's last,
-partial m-tile runs with A and B swapped, its rows the wgmma's N in steps of 16), on one GPU
-against the two-kernel path and float64 NumPy."""
+"""GEMM 1 with SwiGLU in its epilogue, the wgmma GEMM's ragged tiles (a partial m-tile
+computes only the 64-row halves that hold rows, or, built with swapped tails, its rows
+rounded up to 16) and its compile-time knobs, on one GPU against the two-kernel path, the
+default build and float64 NumPy."""
 
 import numpy as np
 import pytest
@@ -88,7 +89,7 @@ def test_gemm1_swiglu_mma_path_matches_float64():
 
 @pytest.mark.parametrize("N,K", [(256, 128), (320, 192)])
 def test_ragged_tails_match_float64(N, K):
-    """Every tail kind through the plain wgmma GEMM: half tiles compute only the real half."""
+    """Every tail kind through the plain wgmma GEMM: partial tiles compute only their real rows."""
     import cupy
 
     from epserve import ops
@@ -106,3 +107,34 @@ def test_ragged_tails_match_float64(N, K):
     ref = np.concatenate([A64[off[e]:off[e + 1]] @ B64[e].T for e in range(E)])
     assert not np.isnan(got[:M]).any(), "some output elements were never written"
     assert np.allclose(got[:M], ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("knob", [{"EPSERVE_GEMM_CLUSTER": 2}, {"EPSERVE_GEMM_SWAP_TAILS": 1},
+                                  {"EPSERVE_GEMM_SWAP_TAILS": 1, "EPSERVE_GEMM_SWAP_STEP": 32}])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_build_knobs_give_the_same_bits(knob, swiglu, monkeypatch):
+    """The wgmma GEMM's compile-time knobs change how tiles are fed and computed (CTA pairs
+    sharing A by multicast or single CTAs; partial m-tiles with A and B swapped), never the
+    result: every build equals the default one bit for bit, on every tail width and on a
+    column count that leaves the last CTA pair half empty."""
+    import cupy
+
+    from epserve import kernels, ops
+
+    base = "gemm1_wgmma_swiglu" if swiglu else "gemm_wgmma_null"
+    source, defines = kernels.VARIANTS[base]
+    name = f"{base}+" + "+".join(f"{k}={v}" for k, v in knob.items())
+    monkeypatch.setitem(kernels.VARIANTS, name, (source, {**defines, **knob}))
+    rng = np.random.default_rng(7)
+    E, M = len(RAGGED), sum(RAGGED)
+    off = cupy.asarray(_offsets(RAGGED))
+    N, K = (192, 128) if swiglu else (320, 192)  # N = 192 + 192 gate/up rows, or 256 + 64 columns
+    A = cupy.asarray(rng.standard_normal((M, K), np.float32).astype(BF16))
+    B_rows = 2 * N if swiglu else N
+    B = cupy.asarray((rng.standard_normal((E, B_rows, K), np.float32) / np.sqrt(K)).astype(BF16))
+    want = cupy.full((M, N), np.nan, BF16)
+    got = cupy.full((M, N), np.nan, BF16)
+    ops._wgmma_gemm(base, A, B, E * B_rows, want, off, E, N, K, ops._NO_PEERS, 0)
+    ops._wgmma_gemm(name, A, B, E * B_rows, got, off, E, N, K, ops._NO_PEERS, 0)
+    assert not np.isnan(cupy.asnumpy(want).astype(np.float32)).any(), "the default build left elements unwritten"
+    assert np.array_equal(bf16_bits(got), bf16_bits(want))
