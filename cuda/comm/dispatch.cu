@@ -6,16 +6,16 @@
 //   route   (1 block)  per-(t, j) rank inside its expert's rows from this source, per-token
 //                      position inside each destination's token region, this rank's counts;
 //                      the count row goes to every rank's table, then a release
-//   layout  (1 block)  waits for every rank's count row; expert_offsets, per-source bases,
-//                      and a summary the host reads (rows per rank, error codes); a
-//                      thread per local expert
+//   layout  (1 block)  waits for every rank's count row; the verdict (a rank's rejected
+//                      input, a bad expert id, a receive overflow) into the call status;
+//                      expert_offsets and per-source bases, all zero when stopped
 //   send               token rows + their routing into the destinations' token regions
 //   expand             waits for the tokens; rows into expert order, with src_info
 //   release            the dispatch buffers may take the next call's rows
 //
-// The host reads the summary between layout and send: that is where it learns how many
-// rows arrive (to size GEMM 1's output) and where an overflow or a bad input on any rank
-// stops every rank before any token row moves.
+// No host looks between the kernels: the verdict is the same on every rank because it is
+// computed from the same count rows, and every later kernel reads it from the call status.
+// The epoch is this rank's own dispatch_ready count, advanced by release on the device.
 #include "comm/dispatch_config.cuh"
 #include "common/errors.cuh"
 #include "common/ptx.cuh"
@@ -148,8 +148,9 @@ extern "C" __global__ void __launch_bounds__(kRouteThreads, 1)
   const int error_code = input_error ? input_error : (bad_id != 0x7fffffff ? kDispatchBadExpert : 0);
   if (threadIdx.x < W) {
     const int d = threadIdx.x;
-    ok[d] = wait_at_least(cfg.my_ready + d, cfg.epoch - 1, cfg.timeout_ns);
-    if (!ok[d]) record_error(cfg.error, kDispatchReadyTimeout, d, static_cast<int>(cfg.epoch));
+    const unsigned long long done = ld_acquire_sys(cfg.my_ready + cfg.rank);
+    ok[d] = wait_at_least(cfg.my_ready + d, done, cfg.timeout_ns);
+    if (!ok[d]) record_error(cfg.error, kDispatchReadyTimeout, d, static_cast<int>(done + 1));
   }
   if (threadIdx.x == 0 && error_code == kDispatchBadExpert) {
     const int at = bad_id;
@@ -167,26 +168,46 @@ extern "C" __global__ void __launch_bounds__(kRouteThreads, 1)
   if (threadIdx.x < W && ok[threadIdx.x]) red_release_sys_add(cfg.count_arrive[threadIdx.x] + cfg.rank, 1ull);
 }
 
-// summary: [0, W) rows each rank receives; [W, 2W) each rank's error code; [2W] token rows
-// arriving here; [2W + 1] 1 if the wait for some rank's count row ran out.
+// The verdict, from the W count rows every rank holds alike: the first rank that rejected
+// its input, else the first that routed to a bad expert id, else the first that would
+// receive more than max_recv_rows. A rank does not record its own input's failure here: its
+// host raised it already, or route recorded the bad id with its token.
+__device__ void dispatch_verdict(const DispatchConfig& cfg, const int* table, const int* rows_to, int* stopped) {
+  const int E = cfg.num_experts, W = cfg.world, row = E + W + 1;
+  int code = 0, who = -1, detail = 0;
+  for (int s = 0; s < W && !code; ++s)
+    if (ld_cg_s32(table + s * row + E + W) == EPSERVE_INPUT_REJECTED) code = kPeerRejectedInput, who = s;
+  for (int s = 0; s < W && !code; ++s)
+    if (ld_cg_s32(table + s * row + E + W)) code = kPeerBadExpert, who = s;
+  for (int d = 0; d < W && !code; ++d)
+    if (rows_to[d] > cfg.max_recv_rows) code = kRecvOverflow, who = d, detail = rows_to[d];
+  if (code && (who != cfg.rank || code == kRecvOverflow)) record_error(cfg.error, code, who, detail);
+  *stopped = code != 0;
+  cfg.status[kCallFailed] = code != 0;
+  cfg.status[kCallStopped] = code != 0;
+}
+
 extern "C" __global__ void __launch_bounds__(kLayoutThreads, 1)
-    epserve_dispatch_layout(const DispatchConfig cfg, int* __restrict__ expert_offsets, int* __restrict__ base,
-                            int* __restrict__ summary) {
+    epserve_dispatch_layout(const DispatchConfig cfg, int* __restrict__ expert_offsets, int* __restrict__ base) {
   const int E = cfg.num_experts, W = cfg.world, e_loc = E / W, row = E + W + 1;
-  __shared__ int arrived, total_rows;
+  __shared__ int arrived, total_rows, stopped;
   __shared__ int rows_to[EPSERVE_MAX_PEERS];
   __shared__ int warp_sums[kLayoutThreads / 32];
   if (threadIdx.x < EPSERVE_MAX_PEERS) rows_to[threadIdx.x] = 0;
   if (threadIdx.x == 0) {
     arrived = 1;
+    const unsigned long long epoch = ld_acquire_sys(cfg.my_ready + cfg.rank) + 1;
     for (int s = 0; s < W && arrived; ++s) {
-      arrived = wait_at_least(cfg.my_count_arrive + s, cfg.epoch, cfg.timeout_ns);
-      if (!arrived) record_error(cfg.error, kDispatchCountTimeout, s, static_cast<int>(cfg.epoch));
+      arrived = wait_at_least(cfg.my_count_arrive + s, epoch, cfg.timeout_ns);
+      if (!arrived) record_error(cfg.error, kDispatchCountTimeout, s, static_cast<int>(epoch));
     }
-    summary[2 * W + 1] = !arrived;
+    if (!arrived) cfg.status[kCallFailed] = cfg.status[kCallStopped] = 1;
   }
   __syncthreads();
-  if (!arrived) return;
+  if (!arrived) {  // nothing moves from or to here; GEMMs see no rows
+    if (threadIdx.x <= e_loc) expert_offsets[threadIdx.x] = 0;
+    return;
+  }
   const int* table = cfg.count_table[cfg.rank];
   const int e = threadIdx.x, lane = threadIdx.x & 31;  // local expert e of every rank
   const bool expert = e < e_loc;
@@ -209,6 +230,12 @@ extern "C" __global__ void __launch_bounds__(kLayoutThreads, 1)
     mine += from[s];
   }
   int run = block_exclusive_scan(mine, warp_sums, &total_rows);  // its barriers also order rows_to
+  if (threadIdx.x == 0) dispatch_verdict(cfg, table, rows_to, &stopped);
+  __syncthreads();
+  if (stopped) {
+    if (threadIdx.x <= e_loc) expert_offsets[threadIdx.x] = 0;
+    return;
+  }
   if (expert) {
     expert_offsets[e] = run;
 #pragma unroll
@@ -219,15 +246,6 @@ extern "C" __global__ void __launch_bounds__(kLayoutThreads, 1)
     }
   }
   if (e == 0) expert_offsets[e_loc] = total_rows;
-  if (e < W) {
-    summary[e] = rows_to[e];
-    summary[W + e] = ld_cg_s32(table + e * row + E + W);
-  }
-  if (e == 0) {
-    int tokens = 0;
-    for (int s = 0; s < W; ++s) tokens += ld_cg_s32(table + s * row + E + cfg.rank);
-    summary[2 * W] = tokens;
-  }
 }
 
 // One warp per token: its row to every destination that owns one of its experts, once.
@@ -237,6 +255,7 @@ extern "C" __global__ void epserve_dispatch_send(const bf16_t* __restrict__ x, i
   __shared__ unsigned sent[EPSERVE_MAX_PEERS];
   const int W = cfg.world, k = cfg.top_k, H = cfg.hidden, e_loc = cfg.num_experts / W, meta_len = 1 + 2 * k;
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  if (call_stopped(cfg.status)) return;
   if (threadIdx.x < EPSERVE_MAX_PEERS) sent[threadIdx.x] = 0;
   __syncthreads();
   for (int t = blockIdx.x * warps + (threadIdx.x >> 5); t < T; t += gridDim.x * warps) {
@@ -265,32 +284,53 @@ extern "C" __global__ void epserve_dispatch_send(const bf16_t* __restrict__ x, i
 }
 
 // One warp per arrived token row: copied into every expert row it feeds, src_info beside it.
+// Each warp waits only for the sender of the row in hand (per-sender arrival counters), so
+// rows from a sender that is done, this rank's own first, expand while others still arrive.
+// A wait that runs out stops this rank's call: expert_offsets go to zero, so the GEMMs see
+// no rows, and the output is poisoned.
 extern "C" __global__ void epserve_dispatch_expand(const DispatchConfig cfg, const int* __restrict__ base,
-                                                   bf16_t* __restrict__ a, int* __restrict__ src_info) {
+                                                   bf16_t* __restrict__ a, int* __restrict__ src_info,
+                                                   int* __restrict__ expert_offsets) {
   const int E = cfg.num_experts, W = cfg.world, k = cfg.top_k, H = cfg.hidden, e_loc = E / W, row = E + W + 1;
   const int meta_len = 1 + 2 * k;
-  __shared__ int ok;
-  __shared__ int first[EPSERVE_MAX_PEERS + 1];  // prefix of token rows per source
+  __shared__ int first[EPSERVE_MAX_PEERS + 1];  // prefix of token rows per source, own rank first
+  __shared__ int order[EPSERVE_MAX_PEERS];      // sources in the order rows are taken
+  __shared__ int failed;
+  if (call_stopped(cfg.status)) return;
   if (threadIdx.x == 0) {
     const int* table = cfg.count_table[cfg.rank];
-    ok = 1;
+    failed = 0;
     first[0] = 0;
-    for (int s = 0; s < W; ++s) {
-      const int from_s = ld_cg_s32(table + s * row + E + cfg.rank);
-      first[s + 1] = first[s] + from_s;
-      if (ok && !wait_at_least(cfg.my_token_arrive + s, cfg.expected_tokens[s] + from_s, cfg.timeout_ns)) {
-        record_error(cfg.error, kDispatchTokenTimeout, s, static_cast<int>(cfg.epoch));
-        ok = 0;
-      }
+    for (int n = 0; n < W; ++n) {
+      const int s = (cfg.rank + n) % W;
+      order[n] = s;
+      first[n + 1] = first[n] + ld_cg_s32(table + s * row + E + cfg.rank);
     }
   }
   __syncthreads();
-  if (!ok) return;
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  int have = -1;  // the source whose rows this warp has seen arrive
   for (int i = blockIdx.x * warps + (threadIdx.x >> 5); i < first[W]; i += gridDim.x * warps) {
-    int s = 0;
-    while (i >= first[s + 1]) ++s;
-    const long long slot = static_cast<long long>(s) * cfg.max_tokens + (i - first[s]);
+    int n = 0;
+    while (i >= first[n + 1]) ++n;
+    const int s = order[n];
+    if (s != have) {
+      int ok = 1;
+      if (lane == 0) {
+        const unsigned long long target = cfg.expected_tokens[s] + (first[n + 1] - first[n]);
+        ok = !*(volatile int*)&failed && wait_at_least(cfg.my_token_arrive + s, target, cfg.timeout_ns);
+        if (!ok && atomicExch(&failed, 1) == 0) {
+          record_error(cfg.error, kDispatchTokenTimeout, s,
+                       static_cast<int>(ld_acquire_sys(cfg.my_ready + cfg.rank) + 1));
+          mark_call_failed(cfg.status);
+          for (int x = 0; x <= e_loc; ++x) expert_offsets[x] = 0;
+        }
+      }
+      ok = __shfl_sync(0xffffffffu, ok, 0);
+      if (!ok) return;
+      have = s;
+    }
+    const long long slot = static_cast<long long>(s) * cfg.max_tokens + (i - first[n]);
     const int* meta = cfg.meta[cfg.rank] + slot * meta_len;
     const int t = ld_cg_s32(meta);
     const uint4* src = reinterpret_cast<const uint4*>(cfg.tokens[cfg.rank] + slot * H);
@@ -305,14 +345,15 @@ extern "C" __global__ void epserve_dispatch_expand(const DispatchConfig cfg, con
   }
 }
 
-// After expand (or instead of it, when the host stopped the call): the token regions and the
-// count table may take the next call. `consumed` says whether this call's tokens were
-// awaited, so the expected count moves with them.
-extern "C" __global__ void epserve_dispatch_release(const DispatchConfig cfg, int consumed) {
+// Last kernel of every dispatch, stopped or not: the token regions and the count table may
+// take the next call, and this rank's epoch (ready[rank]) moves on. The expected token
+// count moves only when rows were sent, that is, unless the verdict stopped the call.
+extern "C" __global__ void epserve_dispatch_release(const DispatchConfig cfg) {
   const int W = cfg.world, row = cfg.num_experts + W + 1;
   if (threadIdx.x < W) {
     const int s = threadIdx.x;
-    if (consumed) cfg.expected_tokens[s] += ld_cg_s32(cfg.count_table[cfg.rank] + s * row + cfg.num_experts + cfg.rank);
+    if (!call_stopped(cfg.status))
+      cfg.expected_tokens[s] += ld_cg_s32(cfg.count_table[cfg.rank] + s * row + cfg.num_experts + cfg.rank);
     red_release_sys_add(cfg.ready[s] + cfg.rank, 1ull);
   }
 }

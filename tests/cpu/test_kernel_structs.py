@@ -76,7 +76,7 @@ def test_the_check_can_fail(tmp_path, monkeypatch):
 
 def test_pack_fills_fields():
     cfg = pack_peer_send_config(recv=[0x1000, 0x2000], arrive=[0x3000, 0x4000], ready=0x5000, src_info=0x6000,
-                                error=0x7000, epoch=3, timeout_ns=10**9, rank=1, world=2, top_k=8, hidden=7168,
+                                error=0x7000, status=3, timeout_ns=10**9, rank=1, world=2, top_k=8, hidden=7168,
                                 max_tokens=4096)
     assert cfg.shape == (1,) and cfg.dtype.itemsize == 192
     raw = cfg.view(np.uint8)
@@ -89,17 +89,17 @@ def test_pack_names_missing_and_unknown_fields():
     with pytest.raises(ValueError, match="missing.*hidden"):
         pack_dispatch_config(world=1, count_table=[1], tokens=[1], meta=[1], count_arrive=[1], token_arrive=[1],
                              ready=[1], my_ready=1, my_count_arrive=1, my_token_arrive=1, expected_tokens=1, error=1,
-                             epoch=1, timeout_ns=1, rank=0, num_experts=1, top_k=1, max_tokens=1)
+                             status=1, timeout_ns=1, rank=0, num_experts=1, top_k=1, max_tokens=1)
     with pytest.raises(ValueError, match="unknown.*bogus"):
         pack_peer_send_config(world=1, bogus=1)
 
 
 def test_pack_rejects_too_many_ranks_and_short_tables():
     with pytest.raises(ValueError, match="at most"):
-        pack_peer_send_config(recv=[1] * 9, arrive=[1] * 9, ready=0, src_info=0, error=0, epoch=1, timeout_ns=1,
+        pack_peer_send_config(recv=[1] * 9, arrive=[1] * 9, ready=0, src_info=0, error=0, status=1, timeout_ns=1,
                               rank=0, world=9, top_k=1, hidden=64, max_tokens=1)
     with pytest.raises(ValueError, match="one address per rank"):
-        pack_peer_send_config(recv=[1], arrive=[1, 2], ready=0, src_info=0, error=0, epoch=1, timeout_ns=1,
+        pack_peer_send_config(recv=[1], arrive=[1, 2], ready=0, src_info=0, error=0, status=1, timeout_ns=1,
                               rank=0, world=2, top_k=1, hidden=64, max_tokens=1)
 
 
