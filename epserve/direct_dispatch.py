@@ -24,7 +24,7 @@ from .kernel_structs import MAX_LOCAL_EXPERTS, pack_dispatch_config
 
 INPUT_REJECTED = 100  # EPSERVE_INPUT_REJECTED: the code a rank puts in its count row when its own input failed
 
-ROUTE_THREADS, ROUTE_WARPS, CHUNK = 1024, 32, 32
+ROUTE_THREADS, ROUTE_WARPS, PUBLISH_THREADS, CHUNK, MOVE_THREADS = 256, 8, 1024, 32, 256  # as in dispatch.cu
 LAYOUT_THREADS = MAX_LOCAL_EXPERTS  # kLayoutThreads in dispatch.cu: a thread per local expert
 
 
@@ -65,17 +65,22 @@ class DirectDispatcher:
         self.expert_offsets = cupy.zeros(self.E // W + 1, np.int32)
         self.rows = cupy.zeros((max_recv_rows, hidden), dtype)
         self.src_info = cupy.zeros(max_recv_rows, np.int32)
-        self._route_smem = (ROUTE_WARPS + 1) * (self.E + W) * 4
+        self._bad_slot = cupy.full(1, 0x7FFFFFFF, np.int32)  # route's lowest bad (t, j); publish resets it
+        self._route_smem = ROUTE_WARPS * (self.E + W) * 4
         mod = kernels.module("dispatch")
-        self._route = mod.get_function("epserve_dispatch_route")
-        self._route.max_dynamic_shared_size_bytes = self._route_smem
+        self._count = mod.get_function("epserve_dispatch_route_count")
+        self._publish = mod.get_function("epserve_dispatch_route_publish")
+        self._rank = mod.get_function("epserve_dispatch_route_rank")
+        for fn in (self._count, self._rank):
+            fn.max_dynamic_shared_size_bytes = self._route_smem
         self._layout = mod.get_function("epserve_dispatch_layout")
-        self._send = mod.get_function("epserve_dispatch_send")
-        self._expand = mod.get_function("epserve_dispatch_expand")
+        self._move = mod.get_function("epserve_dispatch_move")
         self._release = mod.get_function("epserve_dispatch_release")
         self._sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._cfg = self._config()  # nothing in it changes between calls: the epoch is on the device
-        self._expand_grid = (max(1, min(self._sms * 2, (W * max_tokens + 7) // 8)),)
+        # The move kernel's expand blocks wait for its send blocks, so all of them should be
+        # resident at once: 256 threads of 60 registers fit 4 blocks on an SM; it asks for 2 + 2.
+        self._expand_blocks = max(1, min(self._sms * 2, (W * max_tokens + 7) // 8))
         self._pinned = cupy.cuda.alloc_pinned_memory(4)
 
     def _config(self) -> np.ndarray:
@@ -99,14 +104,20 @@ class DirectDispatcher:
         cfg = self._cfg
         T = 0 if rejected else x.shape[0]
         idx_ptr = np.uint64(0) if T == 0 else np.uint64(topk_idx.data.ptr)
-        self._route((1,), (ROUTE_THREADS,),
-                    (idx_ptr, np.int32(T), np.int32(INPUT_REJECTED if rejected else 0), cfg,
-                     self._tok_pos, self._slot_rank, self._chunk_counts), shared_mem=self._route_smem)
+        chunks = (T + CHUNK - 1) // CHUNK
+        route_grid = (max(1, min(self._sms * 2, (chunks + ROUTE_WARPS - 1) // ROUTE_WARPS)),)
+        self._count(route_grid, (ROUTE_THREADS,), (idx_ptr, np.int32(T), cfg, self._chunk_counts, self._bad_slot),
+                    shared_mem=self._route_smem)
+        self._publish((1,), (PUBLISH_THREADS,), (idx_ptr, np.int32(T), np.int32(INPUT_REJECTED if rejected else 0),
+                                                 cfg, self._chunk_counts, self._bad_slot))
+        self._rank(route_grid, (ROUTE_THREADS,), (idx_ptr, np.int32(T), cfg, self._chunk_counts, self._tok_pos,
+                                                  self._slot_rank), shared_mem=self._route_smem)
         self._layout((1,), (LAYOUT_THREADS,), (cfg, self.expert_offsets, self._base))
-        if T:
-            grid = max(1, min(self._sms * 4, (T + 7) // 8))
-            self._send((grid,), (256,), (x, np.int32(T), topk_idx, self._tok_pos, self._slot_rank, cfg))
-        self._expand(self._expand_grid, (256,), (cfg, self._base, self.rows, self.src_info, self.expert_offsets))
+        send_blocks = min(self._sms * 2, (T + 7) // 8)
+        x_ptr = np.uint64(0) if T == 0 else np.uint64(x.data.ptr)
+        self._move((send_blocks + self._expand_blocks,), (MOVE_THREADS,),
+                   (x_ptr, np.int32(T), idx_ptr, self._tok_pos, self._slot_rank, cfg, self._base, self.rows,
+                    self.src_info, self.expert_offsets, np.int32(send_blocks)))
         self._release((1,), (32,), (cfg,))
 
     def rows_received(self) -> int:

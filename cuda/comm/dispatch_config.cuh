@@ -31,3 +31,7 @@ struct DispatchConfig {
 // The code a rank puts in its count row when its own input failed its host checks
 // (epserve/direct_dispatch.py INPUT_REJECTED); kDispatchBadExpert when route found a bad id.
 #define EPSERVE_INPUT_REJECTED 100
+
+// Experts in all: route's publish keeps a count per expert in shared memory
+// (epserve.kernel_structs.MAX_EXPERTS).
+#define EPSERVE_MAX_EXPERTS 1024

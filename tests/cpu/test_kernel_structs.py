@@ -9,6 +9,7 @@ import pytest
 
 from epserve import build
 from epserve.kernel_structs import (
+    MAX_EXPERTS,
     MAX_LOCAL_EXPERTS,
     MAX_PEERS,
     PEER_SEND_CONFIG,
@@ -105,6 +106,7 @@ def test_pack_rejects_too_many_ranks_and_short_tables():
 
 def test_python_limits_match_the_cuda_defines():
     for header, define, value in (("common/types.cuh", "EPSERVE_MAX_LOCAL_EXPERTS", MAX_LOCAL_EXPERTS),
-                                  ("sinks/peer_send_config.cuh", "EPSERVE_MAX_PEERS", MAX_PEERS)):
+                                  ("sinks/peer_send_config.cuh", "EPSERVE_MAX_PEERS", MAX_PEERS),
+                                  ("comm/dispatch_config.cuh", "EPSERVE_MAX_EXPERTS", MAX_EXPERTS)):
         text = (build.CUDA_ROOT / header).read_text()
         assert int(re.search(rf"#define {define} (\d+)", text).group(1)) == value, define
