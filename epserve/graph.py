@@ -30,6 +30,9 @@ class CapturedForward:
         self.out = cupy.empty((tokens, c.hidden), BF16)
         self.w13, self.w2 = w13, w2  # the graph reads them by address: keep them alive
         self.stream = cupy.cuda.Stream(non_blocking=True)
+        # The buffers were filled on the caller's stream, which a non-blocking stream does
+        # not follow by itself: without this, route could read topk_idx before its fill.
+        self.stream.wait_event(cupy.cuda.get_current_stream().record())
         with self.stream:
             # One eager call on this stream first, collective like every call: kernels load,
             # and the per-stream and per-buffer caches fill, so capture sees only launches.
