@@ -20,7 +20,7 @@ import numpy as np
 from . import kernels
 from . import signals as sig
 from .errors import EPServeError
-from .kernel_structs import MAX_LOCAL_EXPERTS, as_launch_arg, pack_dispatch_config
+from .kernel_structs import MAX_LOCAL_EXPERTS, pack_dispatch_config
 
 INPUT_REJECTED = 100  # EPSERVE_INPUT_REJECTED: the code a rank puts in its count row when its own input failed
 
@@ -77,7 +77,7 @@ class DirectDispatcher:
         self._move = mod.get_function("epserve_dispatch_move")
         self._release = mod.get_function("epserve_dispatch_release")
         self._sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-        self._cfg = as_launch_arg(self._config())  # nothing in it changes between calls: the epoch is on the device
+        self._cfg = self._config()  # nothing in it changes between calls: the epoch is on the device
         # The move kernel's expand blocks wait for its send blocks, so all of them should be
         # resident at once: 256 threads of 60 registers fit 4 blocks on an SM; it asks for 2 + 2.
         self._expand_blocks = max(1, min(self._sms * 2, (W * max_tokens + 7) // 8))

@@ -97,14 +97,6 @@ def pack_dispatch_config(**fields) -> np.ndarray:
     return pack(DISPATCH_CONFIG, **fields)
 
 
-def as_launch_arg(struct: np.ndarray) -> np.ndarray:
-    """The same bytes as a plain uint8 array, for a struct made once and passed to every launch:
-    CuPy reads an array argument's address through __array_interface__, which rebuilds the
-    description of a structured dtype field by field on every launch (tens of microseconds
-    of host time per forward); the kernel sees the same parameter bytes."""
-    return struct.view(np.uint8)
-
-
 def pack_peer_pointers(addresses) -> np.ndarray:
     """A PeerBases / PeerCounters table as a size-1 array."""
     if len(addresses) > MAX_PEERS:

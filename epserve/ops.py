@@ -11,7 +11,7 @@ import cupy
 import numpy as np
 
 from . import kernels, tma
-from .kernel_structs import PEER_SEND_CONFIG, as_launch_arg
+from .kernel_structs import PEER_SEND_CONFIG
 
 NULL = np.uint64(0)
 
@@ -51,7 +51,7 @@ def _b_box_rows(variant: str, device: int) -> int:
     return _module_int(kernels.module(variant), "epserve_gemm_b_box_rows")
 
 
-_NO_PEERS = as_launch_arg(np.zeros(1, PEER_SEND_CONFIG))  # what the null sink is given: it never reads it
+_NO_PEERS = np.zeros(1, PEER_SEND_CONFIG)  # what the null sink is given: it never reads it
 
 
 GEMM_IMPLS = ("wgmma", "mma")
@@ -117,7 +117,7 @@ def _rows_map(ptr: int, rows: int, cols: int, box_rows: int) -> np.ndarray:
     same buffer: the service's capacity-sized buffers and the caller's weights each get one.
     (A freed buffer whose address comes back with the same shape gets the same map it would
     get anew.) Never written to after it is made."""
-    return as_launch_arg(tma.bf16_rows_map(ptr, rows, cols, box_rows=box_rows))
+    return tma.bf16_rows_map(ptr, rows, cols, box_rows=box_rows)
 
 
 def _wgmma_gemm(variant: str, A, B, b_rows: int, C, expert_offsets, num_experts: int, N: int, K: int, cfg,
