@@ -6,9 +6,14 @@ the unfused path is GEMM 2 into C followed by a transport of C's rows:
          (ranks sharing a GPU, where NCCL refuses).
 Both land the same bytes in the same slots, so their outputs are bitwise equal.
 
-Every combine has a number (its epoch, the same on every rank). A sender writes into rank
-d's recv for combine e only after d has released it for combine e - 1 (release_recv, run
-after d's reduction), so no call overwrites rows a peer is still reducing."""
+Every combine has a number (its epoch, the same on every rank), kept on the device: a
+rank's own ready counter counts the combines it has finished. A sender writes into rank d's
+recv for combine e only after d has released it for combine e - 1 (release_recv, run after
+d's reduction), so no call overwrites rows a peer is still reducing.
+
+`status` (the direct dispatch's call status, or None) carries a call's failure from the
+dispatch to the combine: a stopped call expects no rows, and a failed call's output is
+poisoned (NaN), never plausible."""
 
 from __future__ import annotations
 
@@ -38,39 +43,54 @@ class Combiner:
         self._recv = group.allocate(max_tokens * top_k * hidden * 2)
         self.signals = signals
         self._ready_table = pack_peer_pointers([signals.peer(d, sig.READY) for d in range(self.world)])
-        self.epoch = 0  # combines begun so far
+        self.epoch = 0  # combines begun so far, for reports only: the kernels keep their own
+        self._configs = {}
 
     @property
     def recv(self) -> cupy.ndarray:
         """This rank's recv slots [max_tokens, k, H] (bf16)."""
         return self._recv.view(self.dtype, (self.max_tokens, self.top_k, self.hidden))
 
-    def send_config(self, src_info, epoch: int) -> np.ndarray:
-        return pack_peer_send_config(
-            recv=self._recv.peer_ptrs, arrive=[self.signals.peer(d, sig.ARRIVE) for d in range(self.world)],
-            ready=self.signals.local(sig.READY), src_info=0 if src_info is None else src_info.data.ptr,
-            error=self.signals.local(sig.ERROR), epoch=epoch, timeout_ns=self.timeout_ns, rank=self.rank, world=self.world,
-            top_k=self.top_k, hidden=self.hidden, max_tokens=self.max_tokens)
+    def send_config(self, src_info, status=None) -> np.ndarray:
+        """The PeerSendConfig for rows whose sources are src_info; nothing in it changes from
+        call to call, so one is packed per (src_info, status) buffer and kept."""
+        key = (0 if src_info is None else src_info.data.ptr, 0 if status is None else status.data.ptr)
+        cfg = self._configs.get(key)
+        if cfg is None:
+            if len(self._configs) > 64:  # per-call buffers (the baselines) come and go
+                self._configs.clear()
+            cfg = self._configs[key] = pack_peer_send_config(
+                recv=self._recv.peer_ptrs, arrive=[self.signals.peer(d, sig.ARRIVE) for d in range(self.world)],
+                ready=self.signals.local(sig.READY), src_info=key[0], error=self.signals.local(sig.ERROR),
+                status=key[1], timeout_ns=self.timeout_ns, rank=self.rank, world=self.world, top_k=self.top_k,
+                hidden=self.hidden, max_tokens=self.max_tokens)
+        return cfg
 
     def gemm_only(self, act, w2, plan: DevicePlan, intermediate: int) -> None:
         """GEMM 2 with the peer sink gated off: the math alone, nothing sent or allocated."""
-        cfg = self.send_config(plan.src_info, self.epoch + 1)
+        cfg = self.send_config(plan.src_info)
         ops.grouped_gemm("peer", act, w2, None, plan.expert_offsets, w2.shape[0], self.hidden, intermediate, cfg, -1)
 
-    def fused(self, act, w2, plan: DevicePlan, topk_idx, topk_weights, intermediate: int, out=None):
+    def fused(self, act, w2, plan: DevicePlan, topk_idx, topk_weights, intermediate: int, out=None, status=None):
         """GEMM 2 whose epilogue writes every row into its home rank's recv; then the reduction."""
         self.epoch += 1
-        cfg = self.send_config(plan.src_info, self.epoch)
+        cfg = self.send_config(plan.src_info, status)
         ops.grouped_gemm("peer", act, w2, None, plan.expert_offsets, w2.shape[0], self.hidden, intermediate, cfg, 0)
-        return self._reduce(topk_idx, topk_weights, out, wait=True)
+        return self._reduce(topk_idx, topk_weights, out, wait=True, status=status)
 
-    def unfused(self, C, plan: DevicePlan, topk_idx, topk_weights, out=None):
+    def stand_in(self, status=None) -> None:
+        """This rank's part of a combine it has no tokens for (its input was rejected): the
+        epoch moves on with the others'."""
+        self.epoch += 1
+        ops.release_recv(self._ready_table, self.rank, self.world)
+
+    def unfused(self, C, plan: DevicePlan, topk_idx, topk_weights, out=None, status=None):
         """C [M, H] (GEMM 2 with the null sink) -> recv slots by the transport -> the reduction."""
         self.epoch += 1
         M, row_bytes = plan.num_recv_rows, self.hidden * 2
         if self.transport == "ipc":
-            ops.push_rows_to_peers(C, M, self.hidden, self.send_config(plan.src_info, self.epoch))
-            return self._reduce(topk_idx, topk_weights, out, wait=True)
+            ops.push_rows_to_peers(C, M, self.hidden, self.send_config(plan.src_info, status))
+            return self._reduce(topk_idx, topk_weights, out, wait=True, status=status)
         h = plan.host
         packed = cupy.empty_like(C)
         ops.copy_rows(packed, C, None, plan.combine_pack_idx, M, row_bytes)
@@ -81,16 +101,17 @@ class Combiner:
         ops.copy_rows(self.recv, staging, plan.home_slot, None, plan.num_send_rows, row_bytes)
         return self._reduce(topk_idx, topk_weights, out, wait=False)
 
-    def _reduce(self, topk_idx, topk_weights, out, *, wait: bool):
+    def _reduce(self, topk_idx, topk_weights, out, *, wait: bool, status=None):
         T = topk_idx.shape[0]
         if out is None:
             out = cupy.empty((T, self.hidden), self.dtype)
         s = self.signals
         if wait:
             ops.combine_arm(topk_idx, T, self.top_k, self.experts_per_rank, self.world, self.hidden // 64,
-                            s.local(sig.EXPECTED))
+                            s.local(sig.EXPECTED), status)
         ops.combine_reduce(self.recv, topk_idx, topk_weights, out, T, self.top_k, self.hidden, self.world,
-                           s.local(sig.ARRIVE), s.local(sig.EXPECTED), s.local(sig.ERROR), self.timeout_ns, wait)
+                           s.local(sig.ARRIVE), s.local(sig.EXPECTED), s.local(sig.ERROR), self.timeout_ns, wait,
+                           status)
         # recv is read: tell every peer it may take the next combine's rows
         ops.release_recv(self._ready_table, self.rank, self.world)
         return out

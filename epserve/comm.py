@@ -18,6 +18,7 @@ import ctypes
 import os
 import pickle
 import socket
+import time
 
 from epserve.errors import EPServeError, RankFailedError, RankMismatchError
 
@@ -183,6 +184,34 @@ def collective_verdict(comm, stage: str, error=None) -> None:
     if isinstance(error, BaseException):
         raise exc from error
     raise exc
+
+
+def bounded_barrier(comm, timeout_s: float, tag: int) -> list[int]:
+    """A barrier that gives up after timeout_s: every rank tells every other that it arrived,
+    then waits (polling, never blocking in MPI) to hear the same from them. Returns the ranks
+    it did not hear from in time; empty means every rank arrived. For teardown, where a stuck
+    peer must not hang the others (docs/design.md, "IPC lifetime"); `tag` keeps one round's
+    messages apart from another's."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        return []
+    MPI = _mpi()
+    token = bytearray(1)
+    for d in range(size):
+        if d != rank:
+            comm.Isend([token, MPI.BYTE], dest=d, tag=tag)  # one byte: sent eagerly, never awaited
+    bufs = {s: bytearray(1) for s in range(size) if s != rank}
+    pending = {s: comm.Irecv([buf, MPI.BYTE], source=s, tag=tag) for s, buf in bufs.items()}
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        pending = {s: req for s, req in pending.items() if not req.Test()}
+        if not pending or time.monotonic() > deadline:
+            break
+        time.sleep(0.001)
+    for req in pending.values():
+        req.Cancel()
+        req.Wait()
+    return sorted(pending)
 
 
 def _same(a, b) -> bool:

@@ -2,12 +2,12 @@
 rank at most once, through that rank's IPC-mapped token regions, and is expanded there into
 the expert-contiguous rows of the dispatch order, with counts exchanged on the device.
 
-The host synchronizes once per call, after the count exchange: it needs the number of rows
-this rank receives (to size the expert rows), and it turns an overflow or a rejected input on
-any rank into the same exception on every rank before any token row moves. Every rank's
-count row reaches every rank's table, so every rank reaches the same verdict without an MPI
-message. A stopped call still releases the buffers, so the next call finds the protocol in
-step.
+No host wait and no MPI message: every rank's count row reaches every rank's table, so every
+rank's layout kernel reaches the same verdict (a rejected input, a bad expert id, a receive
+overflow) and writes it into the call status, which every later kernel reads. The rows,
+expert_offsets and src_info live in buffers sized for max_recv_rows, allocated once; the row
+count never leaves the device. A stopped call still runs every kernel (moving nothing) and
+releases the buffers, so the next call finds the protocol in step.
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ import numpy as np
 
 from . import kernels
 from . import signals as sig
-from .errors import RankFailedError
+from .errors import EPServeError
 from .kernel_structs import MAX_LOCAL_EXPERTS, pack_dispatch_config
-from .layout import check_recv_capacity
 
-INPUT_REJECTED = 100  # error code a rank puts in its count row when its own input failed validation
+INPUT_REJECTED = 100  # EPSERVE_INPUT_REJECTED: the code a rank puts in its count row when its own input failed
 
-ROUTE_THREADS, ROUTE_WARPS, CHUNK = 1024, 32, 32
+ROUTE_THREADS, ROUTE_WARPS, PUBLISH_THREADS, CHUNK, MOVE_THREADS = 256, 8, 1024, 32, 256  # as in dispatch.cu
 LAYOUT_THREADS = MAX_LOCAL_EXPERTS  # kLayoutThreads in dispatch.cu: a thread per local expert
 
 
@@ -40,6 +39,10 @@ class Dispatched:
 
 
 class DirectDispatcher:
+    """One rank's direct dispatch. After enqueue, `rows`, `expert_offsets` and `src_info` hold
+    this call's rows (capacity-sized; expert_offsets[-1] rows are valid) until the next call,
+    and `status` the call status (cuda/common/errors.cuh)."""
+
     def __init__(self, group, signals, *, num_experts: int, top_k: int, hidden: int, max_tokens: int,
                  max_recv_rows: int, wait_timeout_s: float, dtype):
         self.group, self.signals = group, signals
@@ -58,18 +61,27 @@ class DirectDispatcher:
         self._slot_rank = cupy.empty((max_tokens, top_k), np.int32)
         self._chunk_counts = cupy.empty(((max_tokens + CHUNK - 1) // CHUNK, self.E + W), np.int32)
         self._base = cupy.empty((W, self.E // W), np.int32)
-        self._summary = cupy.empty(2 * W + 2, np.int32)
-        self._summary_host = cupy.cuda.alloc_pinned_memory(self._summary.nbytes)
-        self.epoch = 0
-        self._route_smem = (ROUTE_WARPS + 1) * (self.E + W) * 4
+        self.status = cupy.zeros(2, np.int32)
+        self.expert_offsets = cupy.zeros(self.E // W + 1, np.int32)
+        self.rows = cupy.zeros((max_recv_rows, hidden), dtype)
+        self.src_info = cupy.zeros(max_recv_rows, np.int32)
+        self._bad_slot = cupy.full(1, 0x7FFFFFFF, np.int32)  # route's lowest bad (t, j); publish resets it
+        self._route_smem = ROUTE_WARPS * (self.E + W) * 4
         mod = kernels.module("dispatch")
-        self._route = mod.get_function("epserve_dispatch_route")
-        self._route.max_dynamic_shared_size_bytes = self._route_smem
+        self._count = mod.get_function("epserve_dispatch_route_count")
+        self._publish = mod.get_function("epserve_dispatch_route_publish")
+        self._rank = mod.get_function("epserve_dispatch_route_rank")
+        for fn in (self._count, self._rank):
+            fn.max_dynamic_shared_size_bytes = self._route_smem
         self._layout = mod.get_function("epserve_dispatch_layout")
-        self._send = mod.get_function("epserve_dispatch_send")
-        self._expand = mod.get_function("epserve_dispatch_expand")
+        self._move = mod.get_function("epserve_dispatch_move")
         self._release = mod.get_function("epserve_dispatch_release")
         self._sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        self._cfg = self._config()  # nothing in it changes between calls: the epoch is on the device
+        # The move kernel's expand blocks wait for its send blocks, so all of them should be
+        # resident at once: 256 threads of 60 registers fit 4 blocks on an SM; it asks for 2 + 2.
+        self._expand_blocks = max(1, min(self._sms * 2, (W * max_tokens + 7) // 8))
+        self._pinned = cupy.cuda.alloc_pinned_memory(4)
 
     def _config(self) -> np.ndarray:
         s, W = self.signals, self.world
@@ -80,61 +92,55 @@ class DirectDispatcher:
             ready=[s.peer(d, sig.DISPATCH_READY) for d in range(W)],
             my_ready=s.local(sig.DISPATCH_READY), my_count_arrive=s.local(sig.COUNT_ARRIVE),
             my_token_arrive=s.local(sig.TOKEN_ARRIVE), expected_tokens=s.local(sig.EXPECTED_TOKENS),
-            error=s.local(sig.ERROR), epoch=self.epoch, timeout_ns=self.timeout_ns, rank=self.rank, world=W,
-            num_experts=self.E, top_k=self.k, hidden=self.H, max_tokens=self.max_tokens)
+            error=s.local(sig.ERROR), status=self.status.data.ptr, timeout_ns=self.timeout_ns, rank=self.rank,
+            world=W, num_experts=self.E, top_k=self.k, hidden=self.H, max_tokens=self.max_tokens,
+            max_recv_rows=self.max_recv_rows)
+
+    def enqueue(self, x: cupy.ndarray | None, topk_idx: cupy.ndarray | None, rejected: bool = False) -> None:
+        """Queue one dispatch on the current stream; no host wait. x [T, H] bf16 and topk_idx
+        [T, k] int32 are already checked on the host; rejected=True (x and topk_idx None) when
+        this rank's own input failed those checks: it then takes part with no tokens, and its
+        count row tells every rank to stop the call."""
+        cfg = self._cfg
+        T = 0 if rejected else x.shape[0]
+        idx_ptr = np.uint64(0) if T == 0 else np.uint64(topk_idx.data.ptr)
+        chunks = (T + CHUNK - 1) // CHUNK
+        route_grid = (max(1, min(self._sms * 2, (chunks + ROUTE_WARPS - 1) // ROUTE_WARPS)),)
+        self._count(route_grid, (ROUTE_THREADS,), (idx_ptr, np.int32(T), cfg, self._chunk_counts, self._bad_slot),
+                    shared_mem=self._route_smem)
+        self._publish((1,), (PUBLISH_THREADS,), (idx_ptr, np.int32(T), np.int32(INPUT_REJECTED if rejected else 0),
+                                                 cfg, self._chunk_counts, self._bad_slot))
+        self._rank(route_grid, (ROUTE_THREADS,), (idx_ptr, np.int32(T), cfg, self._chunk_counts, self._tok_pos,
+                                                  self._slot_rank), shared_mem=self._route_smem)
+        self._layout((1,), (LAYOUT_THREADS,), (cfg, self.expert_offsets, self._base))
+        send_blocks = min(self._sms * 2, (T + 7) // 8)
+        x_ptr = np.uint64(0) if T == 0 else np.uint64(x.data.ptr)
+        self._move((send_blocks + self._expand_blocks,), (MOVE_THREADS,),
+                   (x_ptr, np.int32(T), idx_ptr, self._tok_pos, self._slot_rank, cfg, self._base, self.rows,
+                    self.src_info, self.expert_offsets, np.int32(send_blocks)))
+        self._release((1,), (32,), (cfg,))
+
+    def rows_received(self) -> int:
+        """This call's row count, read on the host (waits for the stream): for the baselines
+        and the public dispatch, never for forward."""
+        host = np.frombuffer(self._pinned, np.int32, 1)
+        self.expert_offsets[-1:].get(out=host, blocking=False)
+        cupy.cuda.get_current_stream().synchronize()
+        return int(host[0])
 
     def dispatch(self, x: cupy.ndarray | None, topk_idx: cupy.ndarray | None, input_error: BaseException | None = None
                  ) -> Dispatched:
-        """x [T, H] bf16 and topk_idx [T, k] int32 (already validated on the host), or
-        input_error: this rank's own validation failure, which every rank then raises."""
-        self.epoch += 1
-        cfg = self._config()
-        T = 0 if input_error is not None else x.shape[0]
-        null = np.uint64(0)
-        idx_ptr = null if T == 0 else topk_idx.data.ptr
-        self._route((1,), (ROUTE_THREADS,),
-                    (idx_ptr, np.int32(T), np.int32(INPUT_REJECTED if input_error is not None else 0), cfg,
-                     self._tok_pos, self._slot_rank, self._chunk_counts), shared_mem=self._route_smem)
-        expert_offsets = cupy.empty(self.E // self.world + 1, np.int32)
-        self._layout((1,), (LAYOUT_THREADS,), (cfg, expert_offsets, self._base, self._summary))
-        summary = self._read_summary()
+        """Dispatch and wait for it: every rank raises when any rank's input was bad or some
+        rank would overflow its receive capacity (this rank's own input_error, when it has
+        one). The rows returned are views of this dispatcher's buffers, valid until the next
+        dispatch."""
+        self.enqueue(x, topk_idx, rejected=input_error is not None)
         try:
-            self._verdict(summary, input_error)
-        except BaseException:
-            self._release((1,), (32,), (cfg, np.int32(0)))
-            raise
-        M = int(summary[self.rank])
-        rows = cupy.empty((M, self.H), self.dtype)
-        src_info = cupy.empty(M, np.int32)
-        if T:
-            grid = max(1, min(self._sms * 4, (T + 7) // 8))
-            self._send((grid,), (256,), (x, np.int32(T), topk_idx, self._tok_pos, self._slot_rank, cfg))
-        arrivals = int(summary[2 * self.world])
-        grid = max(1, min(self._sms * 4, (arrivals + 7) // 8))
-        self._expand((grid,), (256,), (cfg, self._base, rows, src_info))
-        self._release((1,), (32,), (cfg, np.int32(1)))
-        return Dispatched(rows, expert_offsets, src_info, M)
-
-    def _read_summary(self) -> np.ndarray:
-        host = np.frombuffer(self._summary_host, np.int32, self._summary.size)
-        self._summary.get(out=host)  # synchronizes: the one host wait of a dispatch
-        return host.copy()
-
-    def _verdict(self, summary: np.ndarray, input_error) -> None:
-        """The same decision on every rank, from the count rows every rank has."""
-        W = self.world
-        if summary[2 * W + 1]:
-            self.signals.raise_if_error(self.rank)
-        codes = summary[W:2 * W]
+            self.signals.raise_pending(self.rank)
+        except EPServeError:
+            if input_error is None:
+                raise
         if input_error is not None:
             raise input_error
-        rejected = [s for s in range(W) if codes[s] == INPUT_REJECTED]
-        if rejected:
-            raise RankFailedError(f"dispatch stopped before any row moved: rank(s) {rejected} rejected their input")
-        if codes.any():
-            bad = [s for s in range(W) if codes[s]]
-            if codes[self.rank]:
-                self.signals.raise_if_error(self.rank)
-            raise RankFailedError(f"dispatch stopped before any row moved: rank(s) {bad} routed to expert ids "
-                                  f"outside [-1, {self.E})")
-        check_recv_capacity(summary[:W], self.max_recv_rows)
+        M = self.rows_received()
+        return Dispatched(self.rows[:M], self.expert_offsets.copy(), self.src_info[:M].copy(), M)

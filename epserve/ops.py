@@ -118,6 +118,15 @@ def _tile_counter(device: int, stream: int):
     return cupy.zeros(2, np.int32)
 
 
+@functools.lru_cache(maxsize=256)
+def _rows_map(ptr: int, rows: int, cols: int, box_rows: int) -> np.ndarray:
+    """A tensor map is a pure function of these, so one built once serves every call over the
+    same buffer: the service's capacity-sized buffers and the caller's weights each get one.
+    (A freed buffer whose address comes back with the same shape gets the same map it would
+    get anew.) Never written to after it is made."""
+    return tma.bf16_rows_map(ptr, rows, cols, box_rows=box_rows)
+
+
 def _wgmma_gemm(variant: str, A, B, b_rows: int, C, expert_offsets, num_experts: int, N: int, K: int, cfg,
                 gate: int) -> None:
     M = A.shape[0]
@@ -128,8 +137,8 @@ def _wgmma_gemm(variant: str, A, B, b_rows: int, C, expert_offsets, num_experts:
     b_box = _b_box_rows(variant, device)
     # A in 64-row boxes, one per consumer warpgroup; B in boxes of the rows one tile's
     # accumulator columns take: 256, or 128 gate + 128 up rows with SwiGLU.
-    map_a = tma.bf16_rows_map(A.data.ptr, M, K, box_rows=64)
-    map_b = tma.bf16_rows_map(B.data.ptr, b_rows, K, box_rows=b_box)
+    map_a = _rows_map(A.data.ptr, M, K, 64)
+    map_b = _rows_map(B.data.ptr, b_rows, K, b_box)
     counter = _tile_counter(device, cupy.cuda.get_current_stream().ptr)
     args = (map_a, map_b, _ptr(C), _ptr(expert_offsets), np.int32(num_experts), np.int32(N), np.int32(K), cfg,
             np.int32(gate), _ptr(counter))
@@ -174,20 +183,22 @@ def push_rows_to_peers(C, M: int, H: int, cfg) -> None:
 
 
 def combine_arm(topk_idx, T: int, k: int, experts_per_rank: int, world: int, units_per_slot: int,
-                expected_ptr: int) -> None:
-    """expected[s] += units of this call's slots owned by rank s (expected: per-sender array)."""
+                expected_ptr: int, status=None) -> None:
+    """expected[s] += units of this call's slots owned by rank s (expected: per-sender array),
+    unless the call status says the dispatch verdict stopped the call."""
     fn = kernels.function("combine", "epserve_combine_arm")
     fn((1,), (256,), (_ptr(topk_idx), np.int32(T), np.int32(k), np.int32(experts_per_rank), np.int32(world),
-                      np.int32(units_per_slot), np.uint64(expected_ptr)))
+                      np.int32(units_per_slot), np.uint64(expected_ptr), _ptr(status)))
 
 
 def combine_reduce(recv, topk_idx, topk_weights, out, T: int, k: int, H: int, world: int, arrive_ptr: int,
-                   expected_ptr: int, error_ptr: int, timeout_ns: int, wait: bool) -> None:
+                   expected_ptr: int, error_ptr: int, timeout_ns: int, wait: bool, status=None) -> None:
+    """The reduction; a failed call (status, or its own wait running out) poisons out."""
     fn = kernels.function("combine", "epserve_combine_reduce")
     blocks = max(1, min(T, _sm_count(cupy.cuda.runtime.getDevice()) * 8))
     fn((blocks,), (128,), (_ptr(recv), _ptr(topk_idx), _ptr(topk_weights), _ptr(out), np.int32(T), np.int32(k),
                            np.int32(H), np.int32(world), np.uint64(arrive_ptr), np.uint64(expected_ptr),
-                           np.uint64(error_ptr), np.uint64(timeout_ns), np.int32(1 if wait else 0)))
+                           np.uint64(error_ptr), np.uint64(timeout_ns), np.int32(1 if wait else 0), _ptr(status)))
 
 
 def release_recv(peer_ready_table, rank: int, world: int) -> None:

@@ -12,10 +12,11 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from .comm import collective_verdict
-from .errors import EPServeError
+from .comm import bounded_barrier, collective_verdict
+from .errors import EPServeError, PeerTimeoutError
 
 _LAZY_PEER_ACCESS = getattr(cupy.cuda.runtime, "cudaIpcMemLazyEnablePeerAccess", 1)
+_TAG_UNMAPPED, _TAG_FREED = 0x4550, 0x4551  # the bounded teardown's two rounds
 
 
 class SymmetricBuffer:
@@ -92,18 +93,36 @@ class PeerGroup:
         self.buffers.append(buf)
         return buf
 
-    def close(self) -> None:
-        """Collective teardown; safe to call twice."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Collective teardown; safe to call twice. With timeout_s, each of its two barriers
+        gives up after that long and raises PeerTimeoutError naming the ranks that never came;
+        when that happens before the free, this rank's buffers stay allocated, since a peer
+        that never unmapped them may still write into them."""
         if self._closed:
             return
         self._closed = True
         rt = cupy.cuda.runtime
-        rt.deviceSynchronize()
+        rt.deviceSynchronize()  # every kernel's waits are bounded, so this is too
         for mapped in self._opened:
             rt.ipcCloseMemHandle(mapped)
         self._opened.clear()
-        self.comm.Barrier()  # nobody frees while a peer still maps it
+        self._barrier(timeout_s, _TAG_UNMAPPED, "close-unmap-wait", leak=True)  # nobody frees what a peer maps
         for buf in self.buffers:
             rt.free(buf.ptr)
         self.buffers.clear()
-        self.comm.Barrier()
+        self._barrier(timeout_s, _TAG_FREED, "close-free-wait", leak=False)
+
+    def _barrier(self, timeout_s, tag, stage, leak):
+        if timeout_s is None:
+            self.comm.Barrier()
+            return
+        missing = bounded_barrier(self.comm, timeout_s, tag)
+        if not missing:
+            return
+        if leak:
+            self.buffers.clear()
+        raise PeerTimeoutError(
+            f"rank {self.rank}: stage {stage}: rank(s) {', '.join(map(str, missing))} did not reach the teardown "
+            f"within {timeout_s:g} s (dead, stuck, or still busy)"
+            + ("; this rank's symmetric buffers were left allocated, since they may still be mapped there"
+               if leak else ""))

@@ -4,12 +4,14 @@ compiled modules, and serves MoE layer calls (the layer is described in docs/des
     with EPService(MoEConfig(...)) as svc:
         out = svc.forward(x, topk_idx, topk_weights, w13, w2)          # fused (peer sink)
 
-Work is enqueued on the caller's current CuPy stream. The host waits on the GPU once per
-dispatch: after the device-side count exchange, to learn how many rows this rank receives
-(the size of GEMM 1's output) and to stop every rank, before any row moves, when some rank's
-routing would overflow a capacity or some rank's input is bad. Nothing else synchronizes,
-except the baselines: NCCL dispatch and the unfused NCCL combine gather the routing on the
-host, and the IPC copy transports (ranks sharing a GPU) wait for every rank between steps.
+Work is enqueued on the caller's current CuPy stream. The default forward (direct dispatch,
+peer sink) makes no MPI call and waits for the GPU at most once, at its end, to raise a
+failure on every rank (check_errors=False leaves even that to check()); it can be captured in
+a CUDA graph (capture()). Its buffers are sized for capacity when the service starts, the
+row counts and the epochs stay on the device, and the ranks agree on a call's fate from the
+count rows they exchange on the device (docs/design.md, "Synchronisation"). The baselines
+still plan on the host: the NCCL dispatch and the unfused NCCL combine gather the routing
+with MPI, and the unfused IPC combine reads the row count.
 
 Each call is collective: every rank calls the same methods in the same order. A bad input
 raises the same kind of error on every rank (the rank that holds it gets the detailed
@@ -21,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import cupy
+import numpy as np
 
 from . import comm as ep_comm
 from . import ops
@@ -30,7 +33,7 @@ from .config import MoEConfig, check_agreement
 from .device_plan import DevicePlan
 from .direct_dispatch import DirectDispatcher, Dispatched
 from .dispatch import Dispatcher
-from .errors import ConfigError
+from .errors import ConfigError, EPServeError, PeerTimeoutError
 from .layout import check_recv_capacity, count_recv_rows, plan_dispatch
 from .nccl_transport import gpus_shared, make_nccl
 from .peers import PeerGroup
@@ -77,7 +80,7 @@ class EPService:
     GPU, since NCCL refuses that).
     """
 
-    def __init__(self, config: MoEConfig, comm=None, device=None):
+    def __init__(self, config: MoEConfig, comm=None, device=None, check_errors: bool = True):
         """Set up this rank's part of the layer. Collective over `comm`.
 
         config  the MoEConfig, the same on every rank; its world_size must be comm's size.
@@ -87,6 +90,8 @@ class EPService:
                 the rank's index among the ranks on its node, modulo the node's GPU count
                 (one GPU per rank when there are as many GPUs as ranks). It is made current
                 before any other CUDA call.
+        check_errors  the default of forward's `check`: True makes every eager forward wait
+                for its own end and raise a failure on every rank; False leaves that to check().
 
         It compiles (or loads from the cache) the kernels, allocates the symmetric buffers
         (recv: max_tokens_per_rank * top_k * hidden bf16, plus the dispatch's token regions)
@@ -98,6 +103,8 @@ class EPService:
         running: started without mpirun/mpiexec, the communicator has one rank.
         """
         self.config = config
+        self.check_errors = bool(check_errors)
+        self._lost = None  # the PeerTimeoutError after which this service cannot go on
         self.comm = ep_comm.world(comm)
         self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
         check_agreement(config, self.comm)  # needs no GPU: a mismatch is reported before any CUDA call
@@ -118,6 +125,10 @@ class EPService:
         self.combiner = Combiner(self.group, self.signals, num_experts=c.num_experts, top_k=c.top_k, hidden=c.hidden,
                                  max_tokens=c.max_tokens_per_rank, wait_timeout_s=c.wait_timeout_s,
                                  transport=self.transport, nccl_comm=self.nccl, dtype=BF16)
+        # GEMM 1's output at capacity, once: forward allocates nothing but a default out.
+        self._act = cupy.zeros((c.recv_rows_capacity, c.intermediate), BF16)
+        self._C = None  # GEMM 2's output for the unfused IPC combine, made on first use
+        self._no_tokens = (cupy.zeros((0, c.top_k), np.int32), cupy.zeros((0, c.top_k), np.float32))
         cupy.cuda.runtime.deviceSynchronize()
         self.comm.Barrier()
 
@@ -223,7 +234,8 @@ class EPService:
         """What the peer sink and the IPC push read: expert_offsets and src_info."""
         return d.plan if d.plan is not None else _RowSources(d.expert_offsets, d.src_info, d.num_rows)
 
-    def forward(self, x, topk_idx, topk_weights, w13, w2, sink: str = "peer", dispatch: str = "direct", out=None):
+    def forward(self, x, topk_idx, topk_weights, w13, w2, sink: str = "peer", dispatch: str = "direct", out=None,
+                check: bool | None = None):
         """The whole MoE layer for this rank's tokens: dispatch, GEMM 1, SwiGLU, GEMM 2, combine.
 
         With H = hidden, I = intermediate, k = top_k, E_loc = experts per rank, T <= max_tokens_per_rank:
@@ -250,38 +262,139 @@ class EPService:
         out       optional [T, H] bf16 array (C-contiguous, this device) to write into and
                   return; by default a new CuPy array is returned.
 
-        Synchronization: the work goes on the current CuPy stream, and out is ready when that
-        stream has done it. The host waits for the GPU once, in the direct dispatch (to learn
-        how many rows arrive); the "nccl" dispatch and the unfused combine also gather routing
-        on the host, and where the ranks share a GPU the unfused transport waits for every rank.
+        check     whether to wait for this call's end and raise its failure here (default:
+                  the service's check_errors, True). False: no host wait at all; a failure
+                  is then recorded on the device, out is poisoned, and check() raises it.
 
-        Failures, on every rank alike and before any row moves: RankFailedError (an
-        EPServeError) naming the rank and what was wrong when any rank's input is bad (shape,
-        dtype, device, layout, an expert id out of range, an unknown sink or dispatch; the
-        rank at fault may raise the ConfigError itself), ConfigError when some rank would
-        receive more rows than MoEConfig.max_recv_rows. The service stays usable after these.
-        A peer that stops answering makes the device-side waits run out after wait_timeout_s:
-        the dispatch raises PeerTimeoutError naming the peer and the stage; in the combine
-        the timeout is recorded on the device, out is not valid, and check() raises it.
+        Synchronization: the work goes on the current CuPy stream, and out is ready when that
+        stream has done it. The default path (direct dispatch, peer sink) makes no MPI call
+        and waits for the GPU at most once, at the end, only when `check` is on; it can be
+        captured in a CUDA graph (see capture()). The baselines plan on the host: dispatch
+        "nccl" and the unfused combine over NCCL gather the routing with MPI, and the unfused
+        combine over IPC (ranks sharing a GPU) reads the row count.
+
+        Failures, on every rank alike, before any row moves, the service usable afterwards:
+        - a rank whose own input is bad (shape, dtype, device, layout, token count, an
+          unknown sink or dispatch) raises its ConfigError at once, without waiting, and its
+          count row stops the call on every rank;
+        - the others raise RankFailedError naming that rank; an expert id out of range is
+          found on the device and raised the same way (ConfigError on the rank that holds it,
+          RankFailedError naming it elsewhere); a routing that would give some rank more rows
+          than MoEConfig.max_recv_rows raises ConfigError on every rank.
+        With check=False, or under a graph, these come from check() instead.
+        A failed call's out is poisoned (NaN in every element): it never holds output that
+        looks right. (A rank whose own input was bad poisons `out` when `out` itself is a
+        usable [*, H] bf16 array.)
+
+        A peer that stops answering (dead, or stuck in host code and never calling forward)
+        makes a device-side wait run out after wait_timeout_s: every other rank raises
+        PeerTimeoutError naming the peer and the stage, out is poisoned, and from then on
+        this service refuses calls: the ranks' epochs are out of step, so close it (close()
+        gives up on the peer after wait_timeout_s too) and start a new one on every rank,
+        even if the peer comes back.
+
+        The baselines ("nccl" dispatch, or the null sink where the ranks have a GPU each)
+        check their inputs with an MPI verdict first, and raise the same classes.
         """
+        check = self.check_errors if check is None else check
+        if self._lost is not None:
+            raise PeerTimeoutError(f"rank {self.rank}: this service lost a peer earlier ({self._lost}); close it "
+                                   "and start a new one on every rank")
+        if dispatch == "nccl" or (sink == "null" and self.transport == "nccl" and dispatch in DISPATCHES):
+            return self._forward_baseline(x, topk_idx, topk_weights, w13, w2, sink, dispatch, out)
+        try:
+            self._check_choice("sink", sink, SINKS)
+            self._check_choice("dispatch", dispatch, DISPATCHES)
+            x, topk_idx, topk_weights = self._tokens(x, topk_idx, topk_weights)
+            w13, w2 = self._weights(w13, w2)
+            if out is not None:
+                out = checked_array(out, "out", "bf16", (x.shape[0], self.config.hidden))
+        except ConfigError as exc:
+            self._stand_in(out, check)
+            raise exc
+        c, d = self.config, self.direct
+        d.enqueue(x, topk_idx)
+        ops.gemm1_swiglu(d.rows, w13, self._act, d.expert_offsets, c.experts_per_rank, c.intermediate, c.hidden)
+        if sink == "peer":
+            out = self.combiner.fused(self._act, w2, d, topk_idx, topk_weights, c.intermediate, out=out,
+                                      status=d.status)
+        else:  # the unfused baseline over IPC (ranks sharing a GPU): it reads the row count
+            if self._C is None:
+                self._C = cupy.empty((c.recv_rows_capacity, c.hidden), BF16)
+            ops.grouped_gemm("null", self._act, w2, self._C, d.expert_offsets, c.experts_per_rank, c.hidden,
+                             c.intermediate)
+            rows = _RowSources(d.expert_offsets, d.src_info, d.rows_received())
+            out = self.combiner.unfused(self._C, rows, topk_idx, topk_weights, out=out, status=d.status)
+        if check:
+            self._raise_pending()
+        return out
+
+    def _stand_in(self, out, check) -> None:
+        """This rank's input failed its host checks: it still takes its part of the call with no
+        tokens, so its count row stops every rank before any row moves and the epochs stay in
+        step; a usable `out` is poisoned. Then the caller raises the local error."""
+        self.direct.enqueue(None, None, rejected=True)
+        self.combiner.stand_in()
+        try:
+            poisoned = checked_array(out, "out", "bf16", (None, self.config.hidden)) if out is not None else None
+        except ConfigError:
+            poisoned = None
+        if poisoned is not None:
+            poisoned.fill(np.nan)
+        if check:  # this call's own record would be stale for the next call: read and drop it
+            try:
+                self.signals.raise_pending(self.rank)
+            except EPServeError:
+                pass
+
+    def _raise_pending(self) -> None:
+        try:
+            self.signals.raise_pending(self.rank)
+        except PeerTimeoutError as exc:
+            self._lost = exc
+            raise
+
+    def _forward_baseline(self, x, topk_idx, topk_weights, w13, w2, sink, dispatch, out):
+        """The NCCL dispatch or the unfused NCCL combine: planned on the host, with an MPI
+        verdict on the inputs first (issue 14 moves these to the device)."""
         tokens = getattr(x, "shape", (0,))[0]
         w13, w2, out = self._checked_ffn_inputs(sink, w13, w2, out, tokens, "forward input", dispatch)
-        return self._expert_ffn(self.dispatch(x, topk_idx, topk_weights, dispatch), w13, w2, sink, out, 0)
+        result = self._expert_ffn(self.dispatch(x, topk_idx, topk_weights, dispatch), w13, w2, sink, out, 0)
+        self._raise_pending()
+        return result
 
     def check(self) -> None:
         """Synchronize the device, then raise what a device-side check recorded since the last
         check: PeerTimeoutError when a wait for a peer ran out (naming the peer and the stage),
-        ConfigError when a row was refused. Local: no other rank takes part."""
-        self.signals.raise_if_error(self.rank)
+        RankFailedError when a call was stopped for another rank's input, ConfigError for
+        this rank's bad expert ids, a receive overflow or a refused row. Local: no other rank
+        takes part. This is how a failure under a graph, or with check=False, is seen."""
+        try:
+            self.signals.raise_if_error(self.rank)
+        except PeerTimeoutError as exc:
+            self._lost = exc
+            raise
 
     # ---- lifetime -----------------------------------------------------------------------
+    def capture(self, tokens: int, w13, w2):
+        """A CUDA graph of forward (direct dispatch, peer sink) at `tokens` tokens on this rank,
+        over input and output buffers it owns: write fresh inputs into its x, topk_idx and
+        topk_weights, then replay() it; the output is bitwise the eager forward's. Collective:
+        it runs one eager forward first (every rank at once), and every replay is a forward
+        call of every rank. See epserve/graph.py."""
+        from .graph import CapturedForward
+
+        return CapturedForward(self, tokens, w13, w2)
+
     def close(self) -> None:
         """Collective teardown (synchronize, unmap the peers' buffers, barrier, free,
-        barrier: docs/design.md, "IPC lifetime"); safe to call twice."""
+        barrier: docs/design.md, "IPC lifetime"); safe to call twice. Each barrier gives up
+        after wait_timeout_s and raises PeerTimeoutError naming the ranks that never came, so
+        a stuck peer cannot hang it; this rank's buffers then stay allocated."""
         if self._closed:
             return
         self._closed = True
-        self.group.close()
+        self.group.close(self.config.wait_timeout_s)
 
     def __enter__(self):
         return self

@@ -19,7 +19,7 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from .errors import ConfigError, EPServeError, PeerTimeoutError
+from .errors import ConfigError, EPServeError, PeerTimeoutError, RankFailedError
 from .kernel_structs import MAX_PEERS
 
 ARRIVE, COUNT_ARRIVE, TOKEN_ARRIVE, READY, DISPATCH_READY, EXPECTED, EXPECTED_TOKENS, ERROR = (
@@ -46,6 +46,14 @@ _CODES = {
     7: ("dispatch-token-wait", PeerTimeoutError,
         "token rows promised by rank {peer} never arrived (dispatch #{detail}): rank {peer} is dead, stuck or "
         "slower than wait_timeout_s"),
+    # The dispatch verdict (cuda/comm/dispatch.cu), the same on every rank; no row moved.
+    8: ("dispatch-verdict", RankFailedError,
+        "rank {peer} rejected its input (its own error says why); the call was stopped before any row moved"),
+    9: ("dispatch-verdict", RankFailedError,
+        "rank {peer} routed to expert ids outside [-1, num_experts); the call was stopped before any row moved"),
+    10: ("dispatch-verdict", ConfigError,
+         "rank {peer} would receive {detail} expert rows, more than MoEConfig.max_recv_rows allows; the call was "
+         "stopped before any row moved"),
 }
 
 
@@ -65,6 +73,7 @@ class SignalBlock:
         self.buffer = buffer
         self.buffer.view(np.uint8, (SIZE,)).fill(0)
         self.error = buffer.view(np.int32, (4,), ERROR)
+        self._pinned = None
 
     def peer(self, d: int, offset: int) -> int:
         """Rank d's signal block at `offset` (one of the layout constants), as mapped here."""
@@ -77,9 +86,31 @@ class SignalBlock:
     def raise_if_error(self, rank: int) -> None:
         """Synchronizes the device, then turns a device error record into an exception."""
         cupy.cuda.runtime.deviceSynchronize()
-        code, peer, detail, _ = (int(v) for v in cupy.asnumpy(self.error))
+        self._raise(rank, cupy.asnumpy(self.error))
+
+    def raise_pending(self, rank: int) -> None:
+        """The same for the work queued so far on the current stream, with one host wait: the
+        record is copied behind that work into pinned memory, and the stream is awaited."""
+        if self._pinned is None:
+            self._pinned = cupy.cuda.alloc_pinned_memory(16)
+        host = np.frombuffer(self._pinned, np.int32, 4)
+        stream = cupy.cuda.get_current_stream()
+        self.error.get(out=host, stream=stream, blocking=False)
+        stream.synchronize()
+        self._raise(rank, host.copy())
+
+    def _raise(self, rank: int, record) -> None:
+        code, peer, detail, _ = (int(v) for v in record)
         if code == 0:
             return
         self.error.fill(0)  # reported once; a bad input leaves the service usable
-        stage, cls, text = _CODES.get(code, ("unknown", EPServeError, "device error code {code}"))
-        raise cls(f"rank {rank}: stage {stage}: " + text.format(peer=peer, detail=detail, code=code))
+        raise error_from_record(rank, code, peer, detail)
+
+
+def error_from_record(rank: int, code: int, peer: int, detail: int) -> EPServeError:
+    """The exception a device error record (code, peer, detail) stands for, naming the stage."""
+    stage, cls, text = _CODES.get(code, ("unknown", EPServeError, "device error code {code}"))
+    exc = cls(f"rank {rank}: stage {stage}: " + text.format(peer=peer, detail=detail, code=code))
+    if cls is RankFailedError:
+        exc.stage, exc.failures = stage, {peer: text.format(peer=peer, detail=detail, code=code)}
+    return exc

@@ -11,8 +11,11 @@ using namespace epserve;
 
 // expected[s] += units of this call's slots whose expert rank s owns. Each thread counts in
 // registers and adds once per rank: one shared counter hit by every slot would serialize.
+// A call the dispatch verdict stopped (status) sends nothing, so nothing is expected.
 extern "C" __global__ void epserve_combine_arm(const int* __restrict__ topk_idx, int T, int k, int experts_per_rank,
-                                               int world, int units_per_slot, unsigned long long* expected) {
+                                               int world, int units_per_slot, unsigned long long* expected,
+                                               const int* status) {
+  if (call_stopped(status)) return;
   __shared__ unsigned int per_source[EPSERVE_MAX_PEERS];
   if (threadIdx.x < EPSERVE_MAX_PEERS) per_source[threadIdx.x] = 0;
   __syncthreads();
@@ -31,30 +34,43 @@ extern "C" __global__ void epserve_combine_arm(const int* __restrict__ topk_idx,
   if (threadIdx.x < world) expected[threadIdx.x] += static_cast<unsigned long long>(per_source[threadIdx.x]) * units_per_slot;
 }
 
+// A failed call's output is NaN: never a plausible-looking result (docs/design.md, "Error semantics").
+__device__ __forceinline__ void poison_tokens(bf16_t* out, int T, int H) {
+  const uint4 nan = make_uint4(0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u);
+  for (int t = blockIdx.x; t < T; t += gridDim.x)
+    for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8)
+      *reinterpret_cast<uint4*>(out + static_cast<long long>(t) * H + c) = nan;
+}
+
 // One block per token at a time; each thread owns 8 consecutive columns (16 bytes).
 // wait = 0 when the rows came by stream-ordered copies (NCCL) and no counter is involved.
-// arrive and expected are this rank's per-sender arrays [world].
+// arrive and expected are this rank's per-sender arrays [world]. status (or null) is the
+// call status: a call that failed earlier, or whose wait here runs out, poisons out.
 extern "C" __global__ void epserve_combine_reduce(const bf16_t* __restrict__ recv, const int* __restrict__ topk_idx,
                                                   const float* __restrict__ topk_weights, bf16_t* __restrict__ out,
                                                   int T, int k, int H, int world, const unsigned long long* arrive,
                                                   const unsigned long long* expected, int* error,
-                                                  unsigned long long timeout_ns, int wait) {
+                                                  unsigned long long timeout_ns, int wait, int* status) {
   __shared__ int ok;
   if (threadIdx.x == 0) {
-    ok = 1;
-    for (int s = 0; wait && s < world; ++s) {
+    ok = !call_failed(status);
+    for (int s = 0; ok && wait && s < world; ++s) {
       const unsigned long long target = expected[s];
       if (!wait_at_least(arrive + s, target, timeout_ns)) {
         // detail: how many units from s are missing (clamped), so the message says how far it got
         const unsigned long long missing = target - ld_acquire_sys(arrive + s);
         record_error(error, kCombineWaitTimeout, s, missing > 0x7fffffffull ? 0x7fffffff : static_cast<int>(missing));
+        mark_call_failed(status);
         ok = 0;
         break;
       }
     }
   }
   __syncthreads();
-  if (!ok) return;
+  if (!ok) {
+    poison_tokens(out, T, H);
+    return;
+  }
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
     for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
       float acc[8];

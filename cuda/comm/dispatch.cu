@@ -3,19 +3,21 @@
 // expands it into the expert-contiguous rows of the dispatch order (local expert, source
 // rank, token, slot). Counts are exchanged on the device, through every rank's count table.
 //
-//   route   (1 block)  per-(t, j) rank inside its expert's rows from this source, per-token
-//                      position inside each destination's token region, this rank's counts;
-//                      the count row goes to every rank's table, then a release
-//   layout  (1 block)  waits for every rank's count row; expert_offsets, per-source bases,
-//                      and a summary the host reads (rows per rank, error codes); a
-//                      thread per local expert
-//   send               token rows + their routing into the destinations' token regions
-//   expand             waits for the tokens; rows into expert order, with src_info
+//   route   count (many CTAs, a warp per 32-token chunk), publish (1 CTA: a scan over the
+//           chunks, a thread per counter; the count row goes to every rank's table, then a
+//           release), rank (many CTAs: per-(t, j) rank inside its expert's rows from this
+//           source, per-token position inside each destination's token region)
+//   layout  (1 block)  waits for every rank's count row; the verdict (a rank's rejected
+//                      input, a bad expert id, a receive overflow) into the call status;
+//                      expert_offsets and per-source bases, all zero when stopped
+//   move               one launch: send blocks put token rows + their routing into the
+//                      destinations' token regions while expand blocks, waiting per sender,
+//                      copy arrived rows into expert order, with src_info
 //   release            the dispatch buffers may take the next call's rows
 //
-// The host reads the summary between layout and send: that is where it learns how many
-// rows arrive (to size GEMM 1's output) and where an overflow or a bad input on any rank
-// stops every rank before any token row moves.
+// No host looks between the kernels: the verdict is the same on every rank because it is
+// computed from the same count rows, and every later kernel reads it from the call status.
+// The epoch is this rank's own dispatch_ready count, advanced by release on the device.
 #include "comm/dispatch_config.cuh"
 #include "common/errors.cuh"
 #include "common/ptx.cuh"
@@ -25,9 +27,11 @@ using namespace epserve;
 
 namespace {
 
-constexpr int kRouteThreads = 1024;
+constexpr int kRouteThreads = 256;  // route parts 1 and 3: a warp per chunk, many CTAs
 constexpr int kRouteWarps = kRouteThreads / 32;
-constexpr int kChunk = 32;  // tokens per warp-chunk in route
+constexpr int kPublishThreads = 1024;  // route part 2: a thread per counter
+constexpr int kChunk = 32;             // tokens per warp-chunk in route
+constexpr int kMoveThreads = 256;      // send and expand: a warp per token row
 
 constexpr int kLayoutThreads = EPSERVE_MAX_LOCAL_EXPERTS;
 
@@ -63,24 +67,38 @@ __device__ int block_exclusive_scan(int v, int* warp_sums, int* total) {
   return warp_sums[warp] + x - v;
 }
 
+// One warp copies a row of n16 16-byte chunks. Loads and stores are volatile asm, which
+// keeps them in program order: four loads go out before their stores, so a warp has four in
+// flight instead of one (the copy is bound by bytes in flight, not by instructions). ld_cg:
+// a row another GPU wrote must not come from a stale L1 line; st_v4: the destination may be
+// a peer's memory.
+__device__ __forceinline__ void copy_row(uint4* dst, const uint4* src, int n16, int lane) {
+  constexpr int kUnroll = 4;
+  int c = lane;
+  for (; c + 32 * (kUnroll - 1) < n16; c += 32 * kUnroll) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = ld_cg_v4(src + c + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) st_v4(dst + c + 32 * u, v[u]);
+  }
+  for (; c < n16; c += 32) st_v4(dst + c, ld_cg_v4(src + c));
+}
+
 }  // namespace
 
-// Dynamic shared memory: kRouteWarps * (E + W) ints of per-warp counters, then E + W totals.
-extern "C" __global__ void __launch_bounds__(kRouteThreads, 1)
-    epserve_dispatch_route(const int* __restrict__ topk_idx, int T, int input_error, const DispatchConfig cfg,
-                           int* __restrict__ tok_pos, int* __restrict__ slot_rank, int* __restrict__ chunk_counts) {
+// route, part 1, over many CTAs: each warp counts one chunk of 32 tokens (rows per global
+// expert, tokens per destination) into chunk_counts; a bad expert id's slot goes to *bad_slot
+// (the lowest wins). Dynamic shared memory: kRouteWarps * (E + W) ints.
+extern "C" __global__ void __launch_bounds__(kRouteThreads)
+    epserve_dispatch_route_count(const int* __restrict__ topk_idx, int T, const DispatchConfig cfg,
+                                 int* __restrict__ chunk_counts, int* __restrict__ bad_slot) {
   extern __shared__ int smem[];
-  __shared__ int bad_id;
-  const int E = cfg.num_experts, W = cfg.world, k = cfg.top_k, e_loc = E / W;
-  const int width = E + W;  // counters: one per global expert, then one per destination (tokens)
+  const int E = cfg.num_experts, W = cfg.world, k = cfg.top_k, e_loc = E / W, width = E + W;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int* mine = smem + warp * width;
-  int* totals = smem + kRouteWarps * width;
   const int chunks = (T + kChunk - 1) / kChunk;
-  if (threadIdx.x == 0) bad_id = 0x7fffffff;
-
-  // 1. counts per chunk of 32 tokens (order does not matter yet)
-  for (int c = warp; c < chunks; c += kRouteWarps) {
+  for (int c = blockIdx.x * kRouteWarps + warp; c < chunks; c += gridDim.x * kRouteWarps) {
     for (int i = lane; i < width; i += 32) mine[i] = 0;
     __syncwarp();
     const int t = c * kChunk + lane;
@@ -89,7 +107,7 @@ extern "C" __global__ void __launch_bounds__(kRouteThreads, 1)
       for (int j = 0; j < k; ++j) {
         const int e = topk_idx[t * k + j];
         if (e < -1 || e >= E) {
-          atomicMin(&bad_id, t * k + j);
+          atomicMin(bad_slot, t * k + j);
           continue;
         }
         if (e < 0) continue;
@@ -103,11 +121,23 @@ extern "C" __global__ void __launch_bounds__(kRouteThreads, 1)
     for (int i = lane; i < width; i += 32) chunk_counts[c * width + i] = mine[i];
     __syncwarp();
   }
-  __syncthreads();
+}
 
-  // 2. exclusive scan over chunks, one counter per thread: chunk_counts becomes chunk bases
-  for (int i = threadIdx.x; i < width; i += kRouteThreads) {
+// route, part 2, one CTA: an exclusive scan over the chunks, one counter per thread, turns
+// chunk_counts into chunk bases; the totals are this rank's count row, which goes to every
+// rank's table at once (part 3 is needed only by the send, so the peers' layouts need not
+// wait for it). Resets *bad_slot for the next call.
+extern "C" __global__ void __launch_bounds__(kPublishThreads, 1)
+    epserve_dispatch_route_publish(const int* __restrict__ topk_idx, int T, int input_error, const DispatchConfig cfg,
+                                   int* __restrict__ chunk_counts, int* __restrict__ bad_slot) {
+  __shared__ int totals[EPSERVE_MAX_EXPERTS + EPSERVE_MAX_PEERS];
+  __shared__ int ok[EPSERVE_MAX_PEERS];
+  __shared__ int bad;
+  const int E = cfg.num_experts, W = cfg.world, k = cfg.top_k, width = E + W;
+  const int chunks = (T + kChunk - 1) / kChunk;
+  for (int i = threadIdx.x; i < width; i += kPublishThreads) {
     int run = 0;
+#pragma unroll 8
     for (int c = 0; c < chunks; ++c) {
       const int v = chunk_counts[c * width + i];
       chunk_counts[c * width + i] = run;
@@ -115,12 +145,45 @@ extern "C" __global__ void __launch_bounds__(kRouteThreads, 1)
     }
     totals[i] = run;
   }
+  if (threadIdx.x == 0) {
+    bad = *bad_slot;
+    *bad_slot = 0x7fffffff;
+    if (!input_error && bad != 0x7fffffff) record_error(cfg.error, kDispatchBadExpert, bad / k, topk_idx[bad]);
+  }
+  if (threadIdx.x < W) {
+    const int d = threadIdx.x;
+    const unsigned long long done = ld_acquire_sys(cfg.my_ready + cfg.rank);
+    ok[d] = wait_at_least(cfg.my_ready + d, done, cfg.timeout_ns);
+    if (!ok[d]) record_error(cfg.error, kDispatchReadyTimeout, d, static_cast<int>(done + 1));
+  }
   __syncthreads();
+  const int error_code = input_error ? input_error : (bad != 0x7fffffff ? kDispatchBadExpert : 0);
+  const int row = width + 1;
+  for (int d = 0; d < W; ++d) {
+    if (!ok[d]) continue;
+    int* dst = cfg.count_table[d] + cfg.rank * row;
+    for (int i = threadIdx.x; i < row; i += kPublishThreads)
+      dst[i] = i < width ? (error_code ? 0 : totals[i]) : error_code;
+  }
+  fence_acq_rel_sys();
+  __syncthreads();
+  if (threadIdx.x < W && ok[threadIdx.x]) red_release_sys_add(cfg.count_arrive[threadIdx.x] + cfg.rank, 1ull);
+}
 
-  // 3. in (token, slot) order: each slot's rank among its expert's rows from this source,
-  //    each token's position among the tokens going to each destination
-  for (int c = warp; c < chunks; c += kRouteWarps) {
-    for (int i = lane; i < width; i += 32) mine[i] = chunk_counts[c * width + i];
+// route, part 3, over many CTAs: in (token, slot) order within each chunk, from its base,
+// each slot's rank among its expert's rows from this source, and each token's position among
+// the tokens going to each destination. Dynamic shared memory as part 1.
+extern "C" __global__ void __launch_bounds__(kRouteThreads)
+    epserve_dispatch_route_rank(const int* __restrict__ topk_idx, int T, const DispatchConfig cfg,
+                                const int* __restrict__ chunk_bases, int* __restrict__ tok_pos,
+                                int* __restrict__ slot_rank) {
+  extern __shared__ int smem[];
+  const int E = cfg.num_experts, W = cfg.world, k = cfg.top_k, e_loc = E / W, width = E + W;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int* mine = smem + warp * width;
+  const int chunks = (T + kChunk - 1) / kChunk;
+  for (int c = blockIdx.x * kRouteWarps + warp; c < chunks; c += gridDim.x * kRouteWarps) {
+    for (int i = lane; i < width; i += 32) mine[i] = chunk_bases[c * width + i];
     __syncwarp();
     for (int tt = 0; tt < kChunk; ++tt) {
       const int t = c * kChunk + tt;
@@ -141,52 +204,48 @@ extern "C" __global__ void __launch_bounds__(kRouteThreads, 1)
       __syncwarp();
     }
   }
-  __syncthreads();
-
-  // 4. this rank's count row into every rank's table: [E + W counts, error code]
-  __shared__ int ok[EPSERVE_MAX_PEERS];
-  const int error_code = input_error ? input_error : (bad_id != 0x7fffffff ? kDispatchBadExpert : 0);
-  if (threadIdx.x < W) {
-    const int d = threadIdx.x;
-    ok[d] = wait_at_least(cfg.my_ready + d, cfg.epoch - 1, cfg.timeout_ns);
-    if (!ok[d]) record_error(cfg.error, kDispatchReadyTimeout, d, static_cast<int>(cfg.epoch));
-  }
-  if (threadIdx.x == 0 && error_code == kDispatchBadExpert) {
-    const int at = bad_id;
-    record_error(cfg.error, kDispatchBadExpert, at / k, topk_idx[at]);
-  }
-  __syncthreads();
-  const int row = width + 1;
-  for (int d = 0; d < W; ++d) {
-    if (!ok[d]) continue;
-    int* dst = cfg.count_table[d] + cfg.rank * row;
-    for (int i = threadIdx.x; i < row; i += kRouteThreads) dst[i] = i < width ? (error_code ? 0 : totals[i]) : error_code;
-  }
-  fence_acq_rel_sys();
-  __syncthreads();
-  if (threadIdx.x < W && ok[threadIdx.x]) red_release_sys_add(cfg.count_arrive[threadIdx.x] + cfg.rank, 1ull);
 }
 
-// summary: [0, W) rows each rank receives; [W, 2W) each rank's error code; [2W] token rows
-// arriving here; [2W + 1] 1 if the wait for some rank's count row ran out.
+// The verdict, from the W count rows every rank holds alike: the first rank that rejected
+// its input, else the first that routed to a bad expert id, else the first that would
+// receive more than max_recv_rows. A rank does not record its own input's failure here: its
+// host raised it already, or route recorded the bad id with its token.
+__device__ void dispatch_verdict(const DispatchConfig& cfg, const int* table, const int* rows_to, int* stopped) {
+  const int E = cfg.num_experts, W = cfg.world, row = E + W + 1;
+  int code = 0, who = -1, detail = 0;
+  for (int s = 0; s < W && !code; ++s)
+    if (ld_cg_s32(table + s * row + E + W) == EPSERVE_INPUT_REJECTED) code = kPeerRejectedInput, who = s;
+  for (int s = 0; s < W && !code; ++s)
+    if (ld_cg_s32(table + s * row + E + W)) code = kPeerBadExpert, who = s;
+  for (int d = 0; d < W && !code; ++d)
+    if (rows_to[d] > cfg.max_recv_rows) code = kRecvOverflow, who = d, detail = rows_to[d];
+  if (code && (who != cfg.rank || code == kRecvOverflow)) record_error(cfg.error, code, who, detail);
+  *stopped = code != 0;
+  cfg.status[kCallFailed] = code != 0;
+  cfg.status[kCallStopped] = code != 0;
+}
+
 extern "C" __global__ void __launch_bounds__(kLayoutThreads, 1)
-    epserve_dispatch_layout(const DispatchConfig cfg, int* __restrict__ expert_offsets, int* __restrict__ base,
-                            int* __restrict__ summary) {
+    epserve_dispatch_layout(const DispatchConfig cfg, int* __restrict__ expert_offsets, int* __restrict__ base) {
   const int E = cfg.num_experts, W = cfg.world, e_loc = E / W, row = E + W + 1;
-  __shared__ int arrived, total_rows;
+  __shared__ int arrived, total_rows, stopped;
   __shared__ int rows_to[EPSERVE_MAX_PEERS];
   __shared__ int warp_sums[kLayoutThreads / 32];
   if (threadIdx.x < EPSERVE_MAX_PEERS) rows_to[threadIdx.x] = 0;
   if (threadIdx.x == 0) {
     arrived = 1;
+    const unsigned long long epoch = ld_acquire_sys(cfg.my_ready + cfg.rank) + 1;
     for (int s = 0; s < W && arrived; ++s) {
-      arrived = wait_at_least(cfg.my_count_arrive + s, cfg.epoch, cfg.timeout_ns);
-      if (!arrived) record_error(cfg.error, kDispatchCountTimeout, s, static_cast<int>(cfg.epoch));
+      arrived = wait_at_least(cfg.my_count_arrive + s, epoch, cfg.timeout_ns);
+      if (!arrived) record_error(cfg.error, kDispatchCountTimeout, s, static_cast<int>(epoch));
     }
-    summary[2 * W + 1] = !arrived;
+    if (!arrived) cfg.status[kCallFailed] = cfg.status[kCallStopped] = 1;
   }
   __syncthreads();
-  if (!arrived) return;
+  if (!arrived) {  // nothing moves from or to here; GEMMs see no rows
+    if (threadIdx.x <= e_loc) expert_offsets[threadIdx.x] = 0;
+    return;
+  }
   const int* table = cfg.count_table[cfg.rank];
   const int e = threadIdx.x, lane = threadIdx.x & 31;  // local expert e of every rank
   const bool expert = e < e_loc;
@@ -209,6 +268,12 @@ extern "C" __global__ void __launch_bounds__(kLayoutThreads, 1)
     mine += from[s];
   }
   int run = block_exclusive_scan(mine, warp_sums, &total_rows);  // its barriers also order rows_to
+  if (threadIdx.x == 0) dispatch_verdict(cfg, table, rows_to, &stopped);
+  __syncthreads();
+  if (stopped) {
+    if (threadIdx.x <= e_loc) expert_offsets[threadIdx.x] = 0;
+    return;
+  }
   if (expert) {
     expert_offsets[e] = run;
 #pragma unroll
@@ -219,34 +284,26 @@ extern "C" __global__ void __launch_bounds__(kLayoutThreads, 1)
     }
   }
   if (e == 0) expert_offsets[e_loc] = total_rows;
-  if (e < W) {
-    summary[e] = rows_to[e];
-    summary[W + e] = ld_cg_s32(table + e * row + E + W);
-  }
-  if (e == 0) {
-    int tokens = 0;
-    for (int s = 0; s < W; ++s) tokens += ld_cg_s32(table + s * row + E + cfg.rank);
-    summary[2 * W] = tokens;
-  }
 }
 
 // One warp per token: its row to every destination that owns one of its experts, once.
-extern "C" __global__ void epserve_dispatch_send(const bf16_t* __restrict__ x, int T, const int* __restrict__ topk_idx,
-                                                 const int* __restrict__ tok_pos, const int* __restrict__ slot_rank,
-                                                 const DispatchConfig cfg) {
+__device__ void send_tokens(const bf16_t* __restrict__ x, int T, const int* __restrict__ topk_idx,
+                            const int* __restrict__ tok_pos, const int* __restrict__ slot_rank, const DispatchConfig& cfg,
+                            int block, int grid) {
   __shared__ unsigned sent[EPSERVE_MAX_PEERS];
   const int W = cfg.world, k = cfg.top_k, H = cfg.hidden, e_loc = cfg.num_experts / W, meta_len = 1 + 2 * k;
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  if (call_stopped(cfg.status)) return;
   if (threadIdx.x < EPSERVE_MAX_PEERS) sent[threadIdx.x] = 0;
   __syncthreads();
-  for (int t = blockIdx.x * warps + (threadIdx.x >> 5); t < T; t += gridDim.x * warps) {
+  for (int t = block * warps + (threadIdx.x >> 5); t < T; t += grid * warps) {
     const uint4* src = reinterpret_cast<const uint4*>(x + static_cast<long long>(t) * H);
     for (int d = 0; d < W; ++d) {
       const int pos = tok_pos[t * W + d];
       if (pos < 0) continue;
       const long long slot = static_cast<long long>(cfg.rank) * cfg.max_tokens + pos;
       uint4* dst = reinterpret_cast<uint4*>(cfg.tokens[d] + slot * H);
-      for (int c = lane; c < H / 8; c += 32) st_v4(dst + c, src[c]);
+      copy_row(dst, src, H / 8, lane);
       int* meta = cfg.meta[d] + slot * meta_len;
       if (lane == 0) meta[0] = t;
       if (lane < k) {
@@ -265,32 +322,52 @@ extern "C" __global__ void epserve_dispatch_send(const bf16_t* __restrict__ x, i
 }
 
 // One warp per arrived token row: copied into every expert row it feeds, src_info beside it.
-extern "C" __global__ void epserve_dispatch_expand(const DispatchConfig cfg, const int* __restrict__ base,
-                                                   bf16_t* __restrict__ a, int* __restrict__ src_info) {
+// Each warp waits only for the sender of the row in hand (per-sender arrival counters), so
+// rows from a sender that is done, this rank's own first, expand while others still arrive.
+// A wait that runs out stops this rank's call: expert_offsets go to zero, so the GEMMs see
+// no rows, and the output is poisoned.
+__device__ void expand_tokens(const DispatchConfig& cfg, const int* __restrict__ base, bf16_t* __restrict__ a,
+                              int* __restrict__ src_info, int* __restrict__ expert_offsets, int block, int grid) {
   const int E = cfg.num_experts, W = cfg.world, k = cfg.top_k, H = cfg.hidden, e_loc = E / W, row = E + W + 1;
   const int meta_len = 1 + 2 * k;
-  __shared__ int ok;
-  __shared__ int first[EPSERVE_MAX_PEERS + 1];  // prefix of token rows per source
+  __shared__ int first[EPSERVE_MAX_PEERS + 1];  // prefix of token rows per source, own rank first
+  __shared__ int order[EPSERVE_MAX_PEERS];      // sources in the order rows are taken
+  __shared__ int failed;
+  if (call_stopped(cfg.status)) return;
   if (threadIdx.x == 0) {
     const int* table = cfg.count_table[cfg.rank];
-    ok = 1;
+    failed = 0;
     first[0] = 0;
-    for (int s = 0; s < W; ++s) {
-      const int from_s = ld_cg_s32(table + s * row + E + cfg.rank);
-      first[s + 1] = first[s] + from_s;
-      if (ok && !wait_at_least(cfg.my_token_arrive + s, cfg.expected_tokens[s] + from_s, cfg.timeout_ns)) {
-        record_error(cfg.error, kDispatchTokenTimeout, s, static_cast<int>(cfg.epoch));
-        ok = 0;
-      }
+    for (int n = 0; n < W; ++n) {
+      const int s = (cfg.rank + n) % W;
+      order[n] = s;
+      first[n + 1] = first[n] + ld_cg_s32(table + s * row + E + cfg.rank);
     }
   }
   __syncthreads();
-  if (!ok) return;
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-  for (int i = blockIdx.x * warps + (threadIdx.x >> 5); i < first[W]; i += gridDim.x * warps) {
-    int s = 0;
-    while (i >= first[s + 1]) ++s;
-    const long long slot = static_cast<long long>(s) * cfg.max_tokens + (i - first[s]);
+  int have = -1;  // the source whose rows this warp has seen arrive
+  for (int i = block * warps + (threadIdx.x >> 5); i < first[W]; i += grid * warps) {
+    int n = 0;
+    while (i >= first[n + 1]) ++n;
+    const int s = order[n];
+    if (s != have) {
+      int ok = 1;
+      if (lane == 0) {
+        const unsigned long long target = cfg.expected_tokens[s] + (first[n + 1] - first[n]);
+        ok = !*(volatile int*)&failed && wait_at_least(cfg.my_token_arrive + s, target, cfg.timeout_ns);
+        if (!ok && atomicExch(&failed, 1) == 0) {
+          record_error(cfg.error, kDispatchTokenTimeout, s,
+                       static_cast<int>(ld_acquire_sys(cfg.my_ready + cfg.rank) + 1));
+          mark_call_failed(cfg.status);
+          for (int x = 0; x <= e_loc; ++x) expert_offsets[x] = 0;
+        }
+      }
+      ok = __shfl_sync(0xffffffffu, ok, 0);
+      if (!ok) return;
+      have = s;
+    }
+    const long long slot = static_cast<long long>(s) * cfg.max_tokens + (i - first[n]);
     const int* meta = cfg.meta[cfg.rank] + slot * meta_len;
     const int t = ld_cg_s32(meta);
     const uint4* src = reinterpret_cast<const uint4*>(cfg.tokens[cfg.rank] + slot * H);
@@ -299,20 +376,37 @@ extern "C" __global__ void epserve_dispatch_expand(const DispatchConfig cfg, con
       if (e < 0) continue;
       const int m = base[s * e_loc + e] + ld_cg_s32(meta + 1 + k + j);
       uint4* dst = reinterpret_cast<uint4*>(a + static_cast<long long>(m) * H);
-      for (int c = lane; c < H / 8; c += 32) dst[c] = ld_cg_v4(src + c);
+      copy_row(dst, src, H / 8, lane);
       if (lane == 0) src_info[m] = (s << 24) | (t << 4) | j;
     }
   }
 }
 
-// After expand (or instead of it, when the host stopped the call): the token regions and the
-// count table may take the next call. `consumed` says whether this call's tokens were
-// awaited, so the expected count moves with them.
-extern "C" __global__ void epserve_dispatch_release(const DispatchConfig cfg, int consumed) {
+// send and expand in one launch, so expansion overlaps arrival: blocks [0, send_blocks)
+// send this rank's tokens, the rest expand what arrives, each warp waiting only for the
+// sender of its row. The host sizes the grid to fit on the GPU at once, and the send blocks
+// come first, so expand blocks that wait for this rank's own rows never hold SMs the send
+// needs.
+extern "C" __global__ void __launch_bounds__(kMoveThreads)
+    epserve_dispatch_move(const bf16_t* __restrict__ x, int T, const int* __restrict__ topk_idx,
+                          const int* __restrict__ tok_pos, const int* __restrict__ slot_rank, const DispatchConfig cfg,
+                          const int* __restrict__ base, bf16_t* __restrict__ a, int* __restrict__ src_info,
+                          int* __restrict__ expert_offsets, int send_blocks) {
+  if (static_cast<int>(blockIdx.x) < send_blocks)
+    send_tokens(x, T, topk_idx, tok_pos, slot_rank, cfg, blockIdx.x, send_blocks);
+  else
+    expand_tokens(cfg, base, a, src_info, expert_offsets, blockIdx.x - send_blocks, gridDim.x - send_blocks);
+}
+
+// Last kernel of every dispatch, stopped or not: the token regions and the count table may
+// take the next call, and this rank's epoch (ready[rank]) moves on. The expected token
+// count moves only when rows were sent, that is, unless the verdict stopped the call.
+extern "C" __global__ void epserve_dispatch_release(const DispatchConfig cfg) {
   const int W = cfg.world, row = cfg.num_experts + W + 1;
   if (threadIdx.x < W) {
     const int s = threadIdx.x;
-    if (consumed) cfg.expected_tokens[s] += ld_cg_s32(cfg.count_table[cfg.rank] + s * row + cfg.num_experts + cfg.rank);
+    if (!call_stopped(cfg.status))
+      cfg.expected_tokens[s] += ld_cg_s32(cfg.count_table[cfg.rank] + s * row + cfg.num_experts + cfg.rank);
     red_release_sys_add(cfg.ready[s] + cfg.rank, 1ull);
   }
 }

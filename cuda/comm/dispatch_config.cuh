@@ -11,12 +11,13 @@ struct DispatchConfig {
   unsigned long long* count_arrive[EPSERVE_MAX_PEERS];  // each rank's count-row counters [EPSERVE_MAX_PEERS], by sender
   unsigned long long* token_arrive[EPSERVE_MAX_PEERS];  // each rank's token-row counters [EPSERVE_MAX_PEERS], by sender
   unsigned long long* ready[EPSERVE_MAX_PEERS];         // each rank's dispatch-ready array
-  const unsigned long long* my_ready;                   // local: ready[d] = dispatches rank d has consumed
+  const unsigned long long* my_ready;                   // local: ready[d] = dispatches rank d has consumed;
+                                                        // my_ready[rank] is this rank's own: the epoch lives here
   const unsigned long long* my_count_arrive;            // local [EPSERVE_MAX_PEERS], by sender
   const unsigned long long* my_token_arrive;            // local [EPSERVE_MAX_PEERS], by sender
   unsigned long long* expected_tokens;                  // local [EPSERVE_MAX_PEERS]: token rows promised so far, by sender
   int* error;                                           // local error record
-  unsigned long long epoch;                             // 1-based number of this dispatch
+  int* status;                                          // local call status [2] (common/errors.cuh)
   unsigned long long timeout_ns;
   int rank;
   int world;
@@ -24,4 +25,13 @@ struct DispatchConfig {
   int top_k;
   int hidden;
   int max_tokens;
+  int max_recv_rows;                                    // expert rows a rank may receive in one call
 };
+
+// The code a rank puts in its count row when its own input failed its host checks
+// (epserve/direct_dispatch.py INPUT_REJECTED); kDispatchBadExpert when route found a bad id.
+#define EPSERVE_INPUT_REJECTED 100
+
+// Experts in all: route's publish keeps a count per expert in shared memory
+// (epserve.kernel_structs.MAX_EXPERTS).
+#define EPSERVE_MAX_EXPERTS 1024

@@ -15,7 +15,28 @@ enum ErrorCode : int {
   kDispatchReadyTimeout = 5, // a sender waited for a peer to release its dispatch buffers
   kDispatchCountTimeout = 6, // the count rows of some rank never arrived
   kDispatchTokenTimeout = 7, // token rows promised by the counts never arrived
+  kPeerRejectedInput = 8,    // verdict: rank `peer` rejected its own input on the host
+  kPeerBadExpert = 9,        // verdict: rank `peer`'s topk_idx holds an id outside [-1, num_experts)
+  kRecvOverflow = 10,        // verdict: rank `peer` would receive `detail` rows, over max_recv_rows
 };
+
+// A call's status on this rank (int[2], local), written fresh by the dispatch layout kernel
+// of every call and read by every later kernel of that call, so no host needs to look:
+//   [kCallFailed]   nonzero when this call failed here: its output is poisoned
+//   [kCallStopped]  nonzero when the verdict stopped the call before any row moved; every
+//                   rank reaches the same verdict from the same count rows, so no rank
+//                   sends, and nobody expects rows
+enum CallStatus : int { kCallFailed = 0, kCallStopped = 1 };
+
+__device__ __forceinline__ void mark_call_failed(int* status) {
+  if (status) atomicExch(status + kCallFailed, 1);
+}
+__device__ __forceinline__ bool call_failed(const int* status) {
+  return status && *(volatile const int*)(status + kCallFailed);
+}
+__device__ __forceinline__ bool call_stopped(const int* status) {
+  return status && *(volatile const int*)(status + kCallStopped);
+}
 
 // error[0] = code, error[1] = peer rank (or -1), error[2] = detail (e.g. the bad value)
 __device__ __forceinline__ void record_error(int* error, int code, int peer, int detail) {

@@ -9,10 +9,14 @@
 namespace epserve {
 
 // Before the first store of a combine into rank d's recv: d must have finished reading it
-// for the previous combine. Returns false (error recorded) if d never did within the bound.
+// for the previous combine, that is, as many combines as this rank has (ready[rank], which
+// only this rank's stream advances, so the device holds the epoch and a graph replay sees
+// the current one). Returns false (error recorded, call marked failed) if d never did.
 __device__ __forceinline__ bool wait_peer_ready(const PeerSendConfig& cfg, int d) {
-  if (wait_at_least(cfg.ready + d, cfg.epoch - 1, cfg.timeout_ns)) return true;
-  record_error(cfg.error, kPeerReadyTimeout, d, static_cast<int>(cfg.epoch));
+  const unsigned long long done = ld_acquire_sys(cfg.ready + cfg.rank);
+  if (wait_at_least(cfg.ready + d, done, cfg.timeout_ns)) return true;
+  record_error(cfg.error, kPeerReadyTimeout, d, static_cast<int>(done + 1));
+  mark_call_failed(cfg.status);
   return false;
 }
 

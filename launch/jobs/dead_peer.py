@@ -4,22 +4,19 @@ launcher on two ranks:
     python launch/run.py -n 2 [--share-gpu] --timeout 120 -- python -m mpi4py launch/jobs/dead_peer.py {killed|stuck}
 
 Both ranks warm up with one full forward (so kernel loading and first-call costs stay out of
-the timing), then dispatch the next call's tokens together. Then rank 1 stops right before
-its combine sends:
+the timing) and meet at a barrier. Then rank 1 stops and never calls forward again:
   killed  rank 1 exits at once with os._exit(3)
-  stuck   rank 1 sleeps forever
-while rank 0 runs its expert FFN with the peer sink, whose combine waits for rows rank 1
-never sends. Rank 0 prints `rank 0: <ExceptionClass>: <message>` and
-`# dead_peer: mode M, peer 1, <ExceptionClass> after S s (wait_timeout_s T)`, and exits 1,
-which makes `python -m mpi4py` abort the job. The job exits non-zero in every mode: it lost
-a rank. Rank 1 prints `# rank 1: stopping (mode M) at monotonic S` as it stops
+  stuck   rank 1 sleeps forever (a process in a debugger, or in a long exception handler)
+while rank 0 calls the public forward, which makes no MPI call: its dispatch waits on the
+device for rank 1's count row, which never comes. Rank 0 prints
+`rank 0: <ExceptionClass>: <message>` and
+`# dead_peer: mode M, peer 1, <ExceptionClass> after S s (wait_timeout_s T)`, then calls the
+public close(), whose barriers give up after wait_timeout_s, and prints
+`# dead_peer: close <returned|raised X> after S s (wait_timeout_s T)`. It exits 1, which
+makes `python -m mpi4py` abort the job. The job exits non-zero in every mode: it lost a
+rank. Rank 1 prints `# rank 1: stopping (mode M) at monotonic S` as it stops
 (CLOCK_MONOTONIC is one clock for the whole host, so a test can time the rest of the job
 from it).
-
-Why rank 0 calls svc._expert_ffn and not forward or expert_ffn: both of those begin with an
-MPI input verdict, an allgather that a stopped rank never joins, so rank 0 would hang in MPI
-and never reach the device-side wait this job is about. _expert_ffn is the same work without
-the verdict. The direct dispatch before it checks its inputs on the device, with no MPI call.
 
 Killed mode and the MPI launcher: Hydra and Open MPI end the whole job as soon as one rank
 exits without MPI_Finalize (on an H200 host, Open MPI 4.1.6 ended it, status 3, within 3 s
@@ -83,28 +80,35 @@ def main():
     x, idx, w, w13, w2 = (cupy.asarray(a) for a in (me.x, me.topk_idx, me.topk_weights, me.w13, me.w2))
     svc.forward(x, idx, w, w13, w2)
     svc.check()
-    dispatched = svc.dispatch(x, idx, w, transport="direct")
-    # This rank's dispatch sends have landed before it stops, and both ranks got this far:
-    # what rank 0 waits for next is only the combine rows.
     cupy.cuda.runtime.deviceSynchronize()
     comm.Barrier()
     if rank == DEAD_RANK:
         stop(mode)
-    emit(f"# rank 0: combine expects {owed} rows from rank {DEAD_RANK}; running the expert FFN (peer sink)")
+    emit(f"# rank 0: rank {DEAD_RANK} owes {owed} rows; calling forward without it")
     start = time.monotonic()
     try:
-        svc._expert_ffn(dispatched, w13, w2, "peer", None, 0)
-        svc.check()
+        svc.forward(x, idx, w, w13, w2)
     except Exception as exc:  # noqa: BLE001 - whatever it is, it is the outcome this job reports
         seconds = time.monotonic() - start
         emit(f"rank 0: {type(exc).__name__}: {exc}")
         emit(f"# dead_peer: mode {mode}, peer {DEAD_RANK}, {type(exc).__name__} after {seconds:.2f} s "
              f"(wait_timeout_s {WAIT_TIMEOUT_S:g})")
-        # No svc.close(): its barriers would wait for the stopped rank forever.
+        close(svc)
         return 1
-    emit(f"rank 0: WRONG: no error although rank {DEAD_RANK} never sent its rows "
+    emit(f"rank 0: WRONG: forward returned although rank {DEAD_RANK} never called it "
          f"({time.monotonic() - start:.2f} s)")
     return 1
+
+
+def close(svc) -> None:
+    start = time.monotonic()
+    outcome = "returned"
+    try:
+        svc.close()
+    except Exception as exc:  # noqa: BLE001 - a PeerTimeoutError naming rank 1 is the expected end
+        outcome = f"raised {type(exc).__name__}"
+        emit(f"# rank 0: close: {type(exc).__name__}: {exc}")
+    emit(f"# dead_peer: close {outcome} after {time.monotonic() - start:.2f} s (wait_timeout_s {WAIT_TIMEOUT_S:g})")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import pytest
 
 from epserve import build
 from epserve.kernel_structs import (
+    MAX_EXPERTS,
     MAX_LOCAL_EXPERTS,
     MAX_PEERS,
     PEER_SEND_CONFIG,
@@ -76,7 +77,7 @@ def test_the_check_can_fail(tmp_path, monkeypatch):
 
 def test_pack_fills_fields():
     cfg = pack_peer_send_config(recv=[0x1000, 0x2000], arrive=[0x3000, 0x4000], ready=0x5000, src_info=0x6000,
-                                error=0x7000, epoch=3, timeout_ns=10**9, rank=1, world=2, top_k=8, hidden=7168,
+                                error=0x7000, status=3, timeout_ns=10**9, rank=1, world=2, top_k=8, hidden=7168,
                                 max_tokens=4096)
     assert cfg.shape == (1,) and cfg.dtype.itemsize == 192
     raw = cfg.view(np.uint8)
@@ -89,22 +90,23 @@ def test_pack_names_missing_and_unknown_fields():
     with pytest.raises(ValueError, match="missing.*hidden"):
         pack_dispatch_config(world=1, count_table=[1], tokens=[1], meta=[1], count_arrive=[1], token_arrive=[1],
                              ready=[1], my_ready=1, my_count_arrive=1, my_token_arrive=1, expected_tokens=1, error=1,
-                             epoch=1, timeout_ns=1, rank=0, num_experts=1, top_k=1, max_tokens=1)
+                             status=1, timeout_ns=1, rank=0, num_experts=1, top_k=1, max_tokens=1)
     with pytest.raises(ValueError, match="unknown.*bogus"):
         pack_peer_send_config(world=1, bogus=1)
 
 
 def test_pack_rejects_too_many_ranks_and_short_tables():
     with pytest.raises(ValueError, match="at most"):
-        pack_peer_send_config(recv=[1] * 9, arrive=[1] * 9, ready=0, src_info=0, error=0, epoch=1, timeout_ns=1,
+        pack_peer_send_config(recv=[1] * 9, arrive=[1] * 9, ready=0, src_info=0, error=0, status=1, timeout_ns=1,
                               rank=0, world=9, top_k=1, hidden=64, max_tokens=1)
     with pytest.raises(ValueError, match="one address per rank"):
-        pack_peer_send_config(recv=[1], arrive=[1, 2], ready=0, src_info=0, error=0, epoch=1, timeout_ns=1,
+        pack_peer_send_config(recv=[1], arrive=[1, 2], ready=0, src_info=0, error=0, status=1, timeout_ns=1,
                               rank=0, world=2, top_k=1, hidden=64, max_tokens=1)
 
 
 def test_python_limits_match_the_cuda_defines():
     for header, define, value in (("common/types.cuh", "EPSERVE_MAX_LOCAL_EXPERTS", MAX_LOCAL_EXPERTS),
-                                  ("sinks/peer_send_config.cuh", "EPSERVE_MAX_PEERS", MAX_PEERS)):
+                                  ("sinks/peer_send_config.cuh", "EPSERVE_MAX_PEERS", MAX_PEERS),
+                                  ("comm/dispatch_config.cuh", "EPSERVE_MAX_EXPERTS", MAX_EXPERTS)):
         text = (build.CUDA_ROOT / header).read_text()
         assert int(re.search(rf"#define {define} (\d+)", text).group(1)) == value, define

@@ -54,7 +54,7 @@ def setup():
     src_info = cupy.asarray(np.concatenate([good, bad]).astype(np.int32))
     cfg = pack_peer_send_config(recv=[buf.ptr + GUARD], arrive=[signals.peer(0, sig.ARRIVE)],
                                 ready=signals.local(sig.READY), src_info=src_info.data.ptr,
-                                error=signals.local(sig.ERROR), epoch=1, timeout_ns=10**9, rank=0, world=1,
+                                error=signals.local(sig.ERROR), status=0, timeout_ns=10**9, rank=0, world=1,
                                 top_k=TOP_K, hidden=H, max_tokens=TOKENS)
     return group, raw, signals, src_info, cfg, len(good)
 

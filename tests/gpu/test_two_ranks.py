@@ -2,6 +2,7 @@
 two, with one GPU each:
   check_combine.py  the peer sink: fused == unfused bitwise, reference, poison, repeats, gate (issue 3)
   check_service.py  EPService: forward, direct vs NCCL dispatch, foreign arrays, bad inputs (issue 4)
+  check_graph.py    forward captured in a CUDA graph, replayed with fresh inputs == eager bitwise (issue 13)
 """
 
 import json
@@ -27,7 +28,7 @@ def run_job(job: str, share_gpu: bool):
     return proc, results, planned
 
 
-@pytest.mark.parametrize("job", ["check_combine.py", "check_service.py"])
+@pytest.mark.parametrize("job", ["check_combine.py", "check_service.py", "check_graph.py"])
 @pytest.mark.parametrize("share_gpu", [True, False], ids=["2-ranks-1-gpu", "2-ranks-2-gpus"])
 def test_job_passes_every_case(job, share_gpu):
     if not share_gpu and gpu_count() < 2:
