@@ -42,8 +42,9 @@ def main():
     cfg = MoEConfig(E, K, H, I, max(tokens), world_size=world, wait_timeout_s=20.0)
     failures, info = [], {"replays": 0}
     weights = layer_inputs(args.seed, tokens, E, K, H, I)
-    w13, w2 = cupy.asarray(weights[rank].w13), cupy.asarray(weights[rank].w2)
     with EPService(cfg, comm) as svc:
+        # The service chose this rank's GPU: the weights go there.
+        w13, w2 = cupy.asarray(weights[rank].w13), cupy.asarray(weights[rank].w2)
         info["transport"] = svc.transport
         graph = svc.capture(tokens[rank], w13, w2)
         for n in range(args.replays):
