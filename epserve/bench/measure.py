@@ -1,7 +1,8 @@
 """The GPU side of the benchmark: every path at one (preset, routing, tokens per rank) point,
 timed with CUDA events on every rank, checked in the same run.
 
-Paths (the unfused one is the baseline every speed-up is taken against):
+Paths, in three families; each row's speed-ups are taken against its own family's unfused
+and library rows (BASELINES):
     gemm1           GEMM 1 with SwiGLU in its epilogue, alone
     gemm2           GEMM 2 alone: the peer sink gated off
     fused           GEMM 2 with the peer sink + the reduction
@@ -9,9 +10,15 @@ Paths (the unfused one is the baseline every speed-up is taken against):
                     ranks share a GPU) + the reduction
     library         cuBLAS per expert + the same transport + the reduction
     dispatch-direct direct-store dispatch (one row per token and destination)
-    dispatch-nccl   the baseline dispatch (one row per slot)
+    dispatch-nccl   the baseline dispatch (one row per slot, planned on the host)
+    alltoall        NCCL grouped send/recv of dispatch-nccl's bytes, nothing else (only
+                    where every rank has its own GPU): the library floor of a dispatch. Its
+                    NVLink GB/s is nccl-tests' bus bandwidth (bytes to other ranks / time)
     layer-fused     forward: direct dispatch, GEMM 1 + SwiGLU, fused GEMM 2 + combine
     layer-unfused   forward: NCCL dispatch, GEMM 1 + SwiGLU, GEMM 2 + NCCL combine
+    layer-library   the layer as a torch-free user composes it from libraries: NCCL
+                    dispatch, cuBLAS per expert for both GEMMs, a CuPy elementwise SwiGLU
+                    between them, NCCL combine and the reduction
 """
 
 from __future__ import annotations
@@ -24,11 +31,36 @@ import numpy as np
 from .. import ops
 from ..arrays import BF16
 from . import arithmetic
+from ..nccl_transport import exchange_rows
 from .cublas import grouped_gemm_per_expert
 from .events import samples_ms
 
-PATHS = ("gemm1", "gemm2", "fused", "unfused", "library", "dispatch-direct", "dispatch-nccl", "layer-fused", "layer-unfused")
-UNFUSED, LIBRARY = "unfused", "library"
+PATHS = ("gemm1", "gemm2", "fused", "unfused", "library", "dispatch-direct", "dispatch-nccl", "alltoall",
+         "layer-fused", "layer-unfused", "layer-library")
+# path -> (its unfused baseline, its library baseline): a family compares with itself.
+_GEMM2 = ("unfused", "library")
+_DISPATCH = ("dispatch-nccl", "alltoall")
+_LAYER = ("layer-unfused", "layer-library")
+BASELINES = {"gemm1": (None, None), "gemm2": _GEMM2, "fused": _GEMM2, "unfused": _GEMM2, "library": _GEMM2,
+             "dispatch-direct": _DISPATCH, "dispatch-nccl": _DISPATCH, "alltoall": _DISPATCH,
+             "layer-fused": _LAYER, "layer-unfused": _LAYER, "layer-library": _LAYER}
+UNFUSED = {path: pair[0] for path, pair in BASELINES.items()}
+LIBRARY = {path: pair[1] for path, pair in BASELINES.items()}
+
+# SwiGLU as a CuPy user writes it: bf16 in, fp32 math, bf16 out (round to nearest even).
+_LIBRARY_SWIGLU = """
+    const float gf = __uint_as_float(((unsigned int)g) << 16);
+    const float uf = __uint_as_float(((unsigned int)u) << 16);
+    const unsigned int bits = __float_as_uint(gf / (1.0f + expf(-gf)) * uf);
+    a = (unsigned short)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+"""
+
+
+def library_swiglu(h, act, intermediate: int) -> None:
+    """act [M, I] = silu(h[:, :I]) * h[:, I:], one CuPy elementwise kernel over bf16 bits."""
+    kernel = cupy.ElementwiseKernel("uint16 g, uint16 u", "uint16 a", _LIBRARY_SWIGLU, "epserve_library_swiglu")
+    bits = h.view(np.uint16)
+    kernel(bits[:, :intermediate], bits[:, intermediate:], act.view(np.uint16))
 
 
 @dataclass
@@ -79,7 +111,9 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
     rows_src = svc._send_plan(direct)
     offsets_host = plan.host.expert_offsets
     C, C_lib = cupy.empty((M, H), BF16), cupy.empty((M, H), BF16)
-    outs = {name: cupy.empty((T, H), BF16) for name in ("fused", "unfused", "library", "layer-fused", "layer-unfused")}
+    h_lib, act_lib = cupy.empty((M, 2 * I), BF16), cupy.empty((M, I), BF16)
+    outs = {name: cupy.empty((T, H), BF16)
+            for name in ("fused", "unfused", "library", "layer-fused", "layer-unfused", "layer-library")}
 
     def unfused():
         ops.grouped_gemm("null", act, w2, C, direct.expert_offsets, w2.shape[0], H, I)
@@ -88,6 +122,13 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
     def library():
         grouped_gemm_per_expert(act, w2, C_lib, offsets_host)
         comb.unfused(C_lib, plan, idx, w, out=outs["library"])
+
+    def layer_library():
+        d = svc.dispatch(x, idx, w, "nccl")
+        grouped_gemm_per_expert(d.rows, w13, h_lib, offsets_host)
+        library_swiglu(h_lib, act_lib, I)
+        grouped_gemm_per_expert(act_lib, w2, C_lib, offsets_host)
+        comb.unfused(C_lib, d.plan, idx, w, out=outs["layer-library"])
 
     runs = {
         "gemm1": lambda: ops.gemm1_swiglu(direct.rows, w13, act_again, direct.expert_offsets, w13.shape[0], I, H),
@@ -99,9 +140,13 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
         "dispatch-nccl": lambda: svc.dispatch(x, idx, w, "nccl"),
         "layer-fused": lambda: svc.forward(x, idx, w, w13, w2, "peer", "direct", out=outs["layer-fused"]),
         "layer-unfused": lambda: svc.forward(x, idx, w, w13, w2, "null", "nccl", out=outs["layer-unfused"]),
+        "layer-library": layer_library,
     }
+    if svc.nccl is not None:
+        runs["alltoall"] = _alltoall(svc.nccl, counts, rank, H)
+    paths = [p for p in PATHS if p in runs]
     samples = {}
-    for path in PATHS:
+    for path in paths:
         comm.Barrier()
         samples[path] = samples_ms(runs[path], warmup, iters)
     svc.check()
@@ -115,8 +160,10 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
         "dispatch-direct": sum(bitwise_wrong(getattr(direct, f), getattr(baseline, f))
                                for f in ("rows", "expert_offsets", "src_info")),
         "dispatch-nccl": None,
+        "alltoall": None,
         "layer-fused": bitwise_wrong(outs["layer-fused"], outs["layer-unfused"]),
         "layer-unfused": None,
+        "layer-library": tolerance_wrong(outs["layer-library"], outs["layer-unfused"]),
     }
     work = {
         "gemm1": arithmetic.gemm1_work(counts, H, I),
@@ -126,8 +173,22 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
         "library": arithmetic.gemm2_combine_work(counts, H, I),
         "dispatch-direct": dispatch_work(counts, H, dedup=True),
         "dispatch-nccl": dispatch_work(counts, H, dedup=False),
+        "alltoall": dispatch_work(counts, H, dedup=False),
         "layer-fused": arithmetic.layer_work(counts, H, I, dedup_dispatch=True),
         "layer-unfused": arithmetic.layer_work(counts, H, I, dedup_dispatch=False),
+        "layer-library": arithmetic.layer_work(counts, H, I, dedup_dispatch=False),
     }
     return [PathResult(p, samples[p], work[p], None if wrong[p] is None else comm.allreduce(wrong[p]))
-            for p in PATHS]
+            for p in paths]
+
+
+def _alltoall(nccl_comm, counts, rank: int, hidden: int):
+    """NCCL grouped send/recv of the rows dispatch-nccl moves (one per slot), between
+    buffers made once: what a library dispatch costs before any planning or packing."""
+    send_counts, recv_counts = counts.slots[rank], counts.slots[:, rank]
+    send = cupy.empty((max(1, int(send_counts.sum())), hidden), BF16)
+    recv = cupy.empty((max(1, int(recv_counts.sum())), hidden), BF16)
+    send_displs = np.concatenate([[0], np.cumsum(send_counts)[:-1]])
+    recv_displs = np.concatenate([[0], np.cumsum(recv_counts)[:-1]])
+    return lambda: exchange_rows(nccl_comm, send, send_counts, send_displs, recv, recv_counts, recv_displs,
+                                 hidden * 2)

@@ -79,12 +79,18 @@ def measured_row(preset: Preset, routing: Routing, path: str, slowest: RankTimin
                floor=work.floor(rates), wrong=wrong)
 
 
-def with_baselines(rows, unfused_path: str, library_path: str | None = None) -> list[Row]:
-    """The rows with unfused_ms and library_ms set from the medians of the paths so named
-    at the same shape (left None where that path did not run)."""
+def with_baselines(rows, unfused_path, library_path=None) -> list[Row]:
+    """The rows with unfused_ms and library_ms set from the medians of the baseline paths at
+    the same shape (left None where that path did not run). Each baseline is one path name
+    for every row, or a mapping from a row's path to its baseline's (measure.BASELINES: a
+    family of paths compares with its own unfused and library rows)."""
     medians = {(row.key, row.path): row.timing.median_ms for row in rows if row.timing is not None}
-    return [dataclasses.replace(row, unfused_ms=medians.get((row.key, unfused_path)),
-                                library_ms=medians.get((row.key, library_path)))
+
+    def baseline(spec, path):
+        return spec if spec is None or isinstance(spec, str) else spec.get(path)
+
+    return [dataclasses.replace(row, unfused_ms=medians.get((row.key, baseline(unfused_path, row.path))),
+                                library_ms=medians.get((row.key, baseline(library_path, row.path))))
             for row in rows]
 
 

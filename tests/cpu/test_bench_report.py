@@ -47,6 +47,31 @@ def test_rows_from_measurements():
     assert deepep.timing is None and deepep.speedup_vs_unfused is None and deepep.x_floor is None
 
 
+def test_each_family_of_paths_compares_with_its_own_baselines():
+    """A whole layer against the whole unfused and library layers, a dispatch against the
+    NCCL dispatch and the bare all-to-all: never a layer against one GEMM's row."""
+    from epserve.bench import measure
+
+    routing = ps.balanced()
+    counts = ar.count_routing(routing.draw(PRESET, world_size=2, seed=0), PRESET.num_experts)
+    work = ar.gemm2_combine_work(counts, PRESET.hidden, PRESET.intermediate)
+    times = {"unfused": 3.0, "library": 4.0, "fused": 1.5, "dispatch-nccl": 2.0, "alltoall": 0.5,
+             "dispatch-direct": 0.25, "layer-unfused": 9.0, "layer-library": 12.0, "layer-fused": 6.0}
+    per_rank = [{p: [t] for p, t in times.items()}] * 2
+    slowest = slowest_rank(per_rank)
+    rows = [measured_row(PRESET, routing, p, slowest[p], work, RATES) for p in times]
+    rows.append(Row(PRESET, routing, "gemm1"))
+    got = {r.path: r for r in with_baselines(rows, measure.UNFUSED, measure.LIBRARY)}
+    assert got["layer-fused"].speedup_vs_unfused == pytest.approx(1.5)
+    assert got["layer-fused"].speedup_vs_library == pytest.approx(2.0)
+    assert got["dispatch-direct"].speedup_vs_unfused == pytest.approx(8.0)
+    assert got["dispatch-direct"].speedup_vs_library == pytest.approx(2.0)
+    assert got["fused"].speedup_vs_unfused == pytest.approx(2.0)
+    assert got["fused"].speedup_vs_library == pytest.approx(4.0 / 1.5)
+    assert got["gemm1"].unfused_ms is None and got["gemm1"].library_ms is None
+    assert set(measure.BASELINES) == set(measure.PATHS)
+
+
 def test_table_layout():
     rows, work = synthetic_rows()
     names, units, *data = report.table(rows)

@@ -12,8 +12,8 @@ from epserve.bench.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
 # The paths the benchmark compares with a reference (#wrong): bitwise with the unfused output or
-# dispatch, within bf16 tolerance for the cuBLAS library path.
-CHECKED_PATHS = ("fused", "library", "dispatch-direct", "layer-fused")
+# dispatch, within bf16 tolerance for the cuBLAS library paths.
+CHECKED_PATHS = ("fused", "library", "dispatch-direct", "layer-fused", "layer-library")
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
 
