@@ -76,6 +76,10 @@ constexpr bool kSwapTails = EPSERVE_GEMM_SWAP_TAILS != 0;
 constexpr int kSwapStep = EPSERVE_GEMM_SWAP_STEP;
 constexpr int kCluster = EPSERVE_GEMM_CLUSTER;
 static_assert(kCluster == 1 || kCluster == 2, "clusters of one or two CTAs");
+#ifndef EPSERVE_GEMM_CLUSTER_SHARES_B
+#define EPSERVE_GEMM_CLUSTER_SHARES_B 0  // 1: a cluster's CTAs share B (neighbouring m-tiles), not A
+#endif
+constexpr bool kShareB = EPSERVE_GEMM_CLUSTER_SHARES_B != 0;
 static_assert(kSwapStep % 16 == 0 && 128 % kSwapStep == 0, "swapped widths: wgmma_m64nN.cuh has N = 16, 32, .., 128");
 static_assert(!(kSwiGLU && Sink::kEnabled), "GEMM 1 keeps act on this GPU: its sink is the null one");
 constexpr int kBM = 128, kBN = 256, kBK = 64;      // kBN: accumulator columns of a tile
@@ -136,9 +140,23 @@ constexpr int kEpilogueBarrier = 1;  // named barrier of the consumer warpgroups
 #ifndef EPSERVE_GROUP_N
 #define EPSERVE_GROUP_N 4  // n-tiles of a weight-sharing group (gemm/tile_scheduler.cuh)
 #endif
-// A scheduled tile spans the cluster's CTAs side by side in N: CTA r computes output columns
-// [n_abs + r * kOutCols, + kOutCols) of the same rows.
-using Scheduler = GroupedTileScheduler<kBM, kOutCols * kCluster, EPSERVE_GROUP_N>;
+// A scheduled tile spans the cluster's CTAs: side by side in N (CTA r computes output
+// columns [n_abs + r * kOutCols, + kOutCols) of the same rows, sharing A), or, sharing B,
+// one above the other in M (CTA r computes rows [m_abs + r * kBM, + kBM) of the expert).
+using Scheduler = GroupedTileScheduler<kShareB ? kBM * kCluster : kBM, kShareB ? kOutCols : kOutCols * kCluster,
+                                       EPSERVE_GROUP_N>;
+
+// CTA r's part of a scheduled tile; rows <= 0 or n_abs >= N: the CTA has none of it.
+__device__ __forceinline__ GroupedTile cta_part(GroupedTile t, int r) {
+  if constexpr (kShareB) {
+    t.m_abs += r * kBM;
+    t.rows = min(kBM, t.m_end - t.m_abs);
+  } else {
+    t.n_abs += r * kOutCols;
+    t.rows = min(kBM, t.rows);
+  }
+  return t;
+}
 
 struct alignas(64) TensorMap {
   unsigned long long opaque[16];
@@ -275,29 +293,46 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
           break;
         }
         const GroupedTile t = sched.tile(index);
-        const int halves = t.rows > 64 ? 2 : 1;
         for (int kt = 0; kt < k_slices; ++kt) {
           mbarrier_wait(&empty[stage], phase ^ 1);  // every CTA's consumers are done with the stage
+          // Each CTA's full barrier: one arrival and the bytes of its A (its rows, in 64-row
+          // boxes) and its B, whoever loads them.
           for (int r = 0; r < kCluster; ++r) {
-            const bool has_cols = t.n_abs + r * kOutCols < N;
+            const GroupedTile part = cta_part(t, r);
+            const bool has_part = part.rows > 0 && part.n_abs < N;
+            const uint32_t a_bytes = (kShareB && !has_part) ? 0 : (part.rows > 64 ? 2 : 1) * kHalfA;
+            const uint32_t b_bytes = (!kShareB && !has_part) ? 0 : kStageB;
             if (kt == 0) publish(r, index);
-            expect(r, halves * kHalfA + (has_cols ? kStageB : 0), kt == 0);
+            expect(r, a_bytes + b_bytes, kt == 0);
           }
-          for (int h = 0; h < halves; ++h) {
-            unsigned char* a = ring_a + stage * kStageA + h * kHalfA;
-            if constexpr (kCluster > 1)
-              tma_load_2d_multicast(a, &map_a, &full[stage], kt * kBK, t.m_abs + 64 * h, (1u << kCluster) - 1);
-            else
-              tma_load_2d(a, &map_a, &full[stage], kt * kBK, t.m_abs + 64 * h);
+          // A: one tile for every CTA (multicast), or each CTA its own rows.
+          for (int r = 0; r < (kShareB ? kCluster : 1); ++r) {
+            const GroupedTile part = cta_part(t, r);
+            if (part.rows <= 0) break;
+            for (int h = 0; h < (part.rows > 64 ? 2 : 1); ++h) {
+              unsigned char* a = ring_a + stage * kStageA + h * kHalfA;
+              const int row = part.m_abs + 64 * h;
+              if (kCluster > 1 && !kShareB)
+                tma_load_2d_multicast(a, &map_a, &full[stage], kt * kBK, row, (1u << kCluster) - 1);
+              else if (r == 0)
+                tma_load_2d(a, &map_a, &full[stage], kt * kBK, row);
+              else
+                tma_load_2d_multicast(a, &map_a, &full[stage], kt * kBK, row, static_cast<uint16_t>(1u << r));
+            }
           }
-          for (int r = 0; r < kCluster; ++r) {
-            const int n_abs = t.n_abs + r * kOutCols;
-            if (n_abs >= N) break;  // an odd last column tile: the peer has none
-            const int b_row = t.expert * (kSwiGLU ? 2 * N : N) + n_abs;
+          // B: one tile for every CTA (multicast), or each CTA its own columns.
+          for (int r = 0; r < (kShareB ? 1 : kCluster); ++r) {
+            const GroupedTile part = cta_part(t, r);
+            if (part.n_abs >= N) break;  // an odd last column tile: the follower has none
+            const int b_row = t.expert * (kSwiGLU ? 2 * N : N) + part.n_abs;
             unsigned char* b = ring_b + stage * kStageB;
-            auto load_b = [&](unsigned char* dst, int row) {  // into CTA r's stage
-              if (r == 0) tma_load_2d(dst, &map_b, &full[stage], kt * kBK, row);
-              else tma_load_2d_multicast(dst, &map_b, &full[stage], kt * kBK, row, static_cast<uint16_t>(1u << r));
+            auto load_b = [&](unsigned char* dst, int row) {
+              if (kCluster > 1 && kShareB)
+                tma_load_2d_multicast(dst, &map_b, &full[stage], kt * kBK, row, (1u << kCluster) - 1);
+              else if (r == 0)
+                tma_load_2d(dst, &map_b, &full[stage], kt * kBK, row);
+              else
+                tma_load_2d_multicast(dst, &map_b, &full[stage], kt * kBK, row, static_cast<uint16_t>(1u << r));
             };
             if constexpr (kSwiGLU) {  // gate rows, then the matching up rows
               load_b(b, b_row);
@@ -340,9 +375,9 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
       else mbarrier_wait_cluster(&full[stage], phase);
       const int index = stage_tile[stage];
       if (index < 0) break;
-      GroupedTile t = sched.tile(index);
-      t.n_abs += cta * kOutCols;
-      const bool has_cols = t.n_abs < N;  // an odd last column tile leaves the follower none
+      const GroupedTile t = cta_part(sched.tile(index), cta);
+      // A follower may have no part: an odd last column tile, or an expert's odd last m-tile.
+      const bool has_cols = t.rows > 0 && t.n_abs < N;
       // An expert's last, partial m-tile runs with A and B swapped (swap_n > 0): the tile's
       // 256 weight rows are the wgmma's M (two m64 blocks per warpgroup) and its real rows,
       // rounded up to 16, its N; otherwise the rows are M and a warpgroup with no real rows

@@ -34,11 +34,12 @@ from epserve.kernel_structs import PEER_SEND_CONFIG
 # Experimental builds of the wgmma GEMM (null sink): name -> extra defines.
 VARIANTS = {
     "gemm_wgmma_null+cluster2": ("gemm_wgmma_null", {"EPSERVE_GEMM_CLUSTER": 2}),
+    "gemm_wgmma_null+cluster2B": ("gemm_wgmma_null", {"EPSERVE_GEMM_CLUSTER": 2, "EPSERVE_GEMM_CLUSTER_SHARES_B": 1}),
     "gemm_wgmma_null+swap": ("gemm_wgmma_null", {"EPSERVE_GEMM_SWAP_TAILS": 1}),
-    "gemm_wgmma_null+group2": ("gemm_wgmma_null", {"EPSERVE_GROUP_N": 2}),
     "gemm1_wgmma_swiglu+cluster2": ("gemm1_wgmma_swiglu", {"EPSERVE_GEMM_CLUSTER": 2}),
+    "gemm1_wgmma_swiglu+cluster2B": ("gemm1_wgmma_swiglu", {"EPSERVE_GEMM_CLUSTER": 2,
+                                                            "EPSERVE_GEMM_CLUSTER_SHARES_B": 1}),
     "gemm1_wgmma_swiglu+swap": ("gemm1_wgmma_swiglu", {"EPSERVE_GEMM_SWAP_TAILS": 1}),
-    "gemm1_wgmma_swiglu+group2": ("gemm1_wgmma_swiglu", {"EPSERVE_GROUP_N": 2}),
 }
 
 

@@ -109,14 +109,17 @@ def test_ragged_tails_match_float64(N, K):
     assert np.allclose(got[:M], ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("knob", [{"EPSERVE_GEMM_CLUSTER": 2}, {"EPSERVE_GEMM_SWAP_TAILS": 1},
+@pytest.mark.parametrize("knob", [{"EPSERVE_GEMM_CLUSTER": 2},
+                                  {"EPSERVE_GEMM_CLUSTER": 2, "EPSERVE_GEMM_CLUSTER_SHARES_B": 1},
+                                  {"EPSERVE_GEMM_SWAP_TAILS": 1},
                                   {"EPSERVE_GEMM_SWAP_TAILS": 1, "EPSERVE_GEMM_SWAP_STEP": 32}])
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_build_knobs_give_the_same_bits(knob, swiglu, monkeypatch):
     """The wgmma GEMM's compile-time knobs change how tiles are fed and computed (CTA pairs
-    sharing A by multicast or single CTAs; partial m-tiles with A and B swapped), never the
-    result: every build equals the default one bit for bit, on every tail width and on a
-    column count that leaves the last CTA pair half empty."""
+    sharing A or B by multicast, or single CTAs; partial m-tiles with A and B swapped), never
+    the result: every build equals the default one bit for bit, on every tail width, on
+    experts whose last CTA pair has rows for one CTA only, and on a column count that leaves
+    the last CTA pair half empty."""
     import cupy
 
     from epserve import kernels, ops
