@@ -69,6 +69,33 @@ def host_ms(fn, calls: int) -> float:
     return took * 1e3 / calls
 
 
+def launch_floor_us() -> tuple[float, float]:
+    """Host time of one bare CuPy launch (one pre-wrapped argument; fourteen), for scale: a
+    forward is about a dozen launches."""
+    from epserve.kernel_structs import i32, u64
+
+    one = (u64(0),)
+    many = (u64(0),) + (i32(1),) * 13
+    out = []
+    for kernel, args in ((_NOP1, one), (_NOP14, many)):
+        kernel((1,), (1,), args)  # compiled and loaded before the clock starts
+        cupy.cuda.runtime.deviceSynchronize()
+        _spin_gpu(50.0)
+        t0 = time.perf_counter()
+        for _ in range(200):
+            kernel((1,), (1,), args)
+        out.append((time.perf_counter() - t0) * 1e6 / 200)
+        cupy.cuda.runtime.deviceSynchronize()
+    return out[0], out[1]
+
+
+_NOP_SRC = r"""
+extern "C" __global__ void nop1(long long a) {}
+extern "C" __global__ void nop14(long long a, int b, int c, int d, int e, int f, int g, int h, int i, int j, int k,
+                                 int l, int m, int n) {}"""
+_NOP1, _NOP14 = cupy.RawKernel(_NOP_SRC, "nop1"), cupy.RawKernel(_NOP_SRC, "nop14")
+
+
 def wall_ms(fn, calls: int) -> float:
     cupy.cuda.runtime.deviceSynchronize()
     t0 = time.perf_counter()
@@ -115,6 +142,9 @@ def main():
             hs = f"{host_ms(fn, 20):>9.4f}" if "check=F" in name else f"{'-':>9}"
             if rank == 0:
                 print(f"{name:<22}{g:>9.3f}{wl:>9.3f}{hs}", flush=True)
+        one, many = launch_floor_us()
+        if rank == 0:
+            print(f"# one bare launch: {one:.2f} us of host time (1 argument), {many:.2f} us (14 arguments)")
         for name in ("forward peer+direct", "forward p+d check=F"):
             prof = cProfile.Profile()
             prof.enable()
