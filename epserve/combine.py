@@ -41,6 +41,8 @@ class Combiner:
         self.nccl = nccl_comm
         self.dtype = dtype
         self._recv = group.allocate(max_tokens * top_k * hidden * 2)
+        # The view of it, made once: a view costs host time (the reduction takes it every call).
+        self._recv_view = self._recv.view(dtype, (max_tokens, top_k, hidden)) if dtype is not None else None
         self.signals = signals
         self._ready_table = launch_arg(pack_peer_pointers([signals.peer(d, sig.READY) for d in range(self.world)]))
         self.epoch = 0  # combines begun so far, for reports only: the kernels keep their own
@@ -49,7 +51,9 @@ class Combiner:
     @property
     def recv(self) -> cupy.ndarray:
         """This rank's recv slots [max_tokens, k, H] (bf16)."""
-        return self._recv.view(self.dtype, (self.max_tokens, self.top_k, self.hidden))
+        if self._recv_view is None:
+            self._recv_view = self._recv.view(self.dtype, (self.max_tokens, self.top_k, self.hidden))
+        return self._recv_view
 
     def send_config(self, src_info, status=None):
         """The PeerSendConfig for rows whose sources are src_info, as a launch argument
