@@ -47,28 +47,47 @@ def as_cupy(obj, name: str) -> cupy.ndarray:
                       f"got {type(obj).__name__}")
 
 
+_DTYPES = {"bf16": BF16, "int32": np.dtype(np.int32), "float32": np.dtype(np.float32)}
+_U16 = np.dtype(np.uint16)
+
+
 def _device_of(a: cupy.ndarray) -> int:
     if a.size == 0:
         return cupy.cuda.runtime.getDevice()
-    return cupy.cuda.runtime.pointerGetAttributes(a.data.ptr).device
+    mem = a.data.mem
+    if isinstance(mem, cupy.cuda.UnownedMemory):
+        # Someone else's memory: the device it was wrapped with may not be where it lives.
+        return cupy.cuda.runtime.pointerGetAttributes(a.data.ptr).device
+    return mem.device_id  # CuPy's own allocation: made on this device
 
 
 def checked_array(obj, name: str, dtype: str, shape: tuple) -> cupy.ndarray:
     """`obj` as a contiguous CuPy array of `dtype` ("bf16", "int32" or "float32") and `shape`
-    (None in a dimension accepts any size) on the current device; else ConfigError."""
+    (None in a dimension accepts any size) on the current device; else ConfigError.
+    Called for every input of every call, so its common case (a CuPy array that passes) is kept short."""
     if obj is None:
         raise ConfigError(f"{name} is required")
-    a = as_cupy(obj, name)
-    if dtype == "bf16":
-        if a.dtype == np.uint16:
+    a = obj if type(obj) is cupy.ndarray else as_cupy(obj, name)
+    want = _DTYPES.get(dtype)
+    if want is None:
+        want = np.dtype(dtype)
+    if a.dtype != want:
+        if want == BF16 and a.dtype == _U16:
             a = a.view(BF16)
-        if a.dtype != BF16:
+        elif want == BF16:
             raise ConfigError(f"{name} must be bf16 (ml_dtypes.bfloat16, or uint16/<V2 storage), got {a.dtype}")
-    elif a.dtype != np.dtype(dtype):
-        raise ConfigError(f"{name} must be {dtype}, got {a.dtype}")
-    if a.ndim != len(shape) or any(want is not None and got != want for got, want in zip(a.shape, shape)):
-        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise ConfigError(f"{name} must have shape {want}, got {list(a.shape)}")
+        else:
+            raise ConfigError(f"{name} must be {dtype}, got {a.dtype}")
+    got = a.shape
+    bad = len(got) != len(shape)
+    if not bad:
+        for g, w in zip(got, shape):
+            if w is not None and g != w:
+                bad = True
+                break
+    if bad:
+        want_shape = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ConfigError(f"{name} must have shape {want_shape}, got {list(got)}")
     if not a.flags.c_contiguous:
         raise ConfigError(f"{name} must be C-contiguous (strides {a.strides} for shape {a.shape})")
     here = cupy.cuda.runtime.getDevice()

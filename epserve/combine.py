@@ -23,7 +23,7 @@ import numpy as np
 from . import ops
 from . import signals as sig
 from .device_plan import DevicePlan
-from .kernel_structs import pack_peer_pointers, pack_peer_send_config
+from .kernel_structs import launch_arg, pack_peer_pointers, pack_peer_send_config
 from .nccl_transport import exchange_rows
 
 
@@ -41,29 +41,34 @@ class Combiner:
         self.nccl = nccl_comm
         self.dtype = dtype
         self._recv = group.allocate(max_tokens * top_k * hidden * 2)
+        # The view of it, made once: a view costs host time (the reduction takes it every call).
+        self._recv_view = self._recv.view(dtype, (max_tokens, top_k, hidden)) if dtype is not None else None
         self.signals = signals
-        self._ready_table = pack_peer_pointers([signals.peer(d, sig.READY) for d in range(self.world)])
+        self._ready_table = launch_arg(pack_peer_pointers([signals.peer(d, sig.READY) for d in range(self.world)]))
         self.epoch = 0  # combines begun so far, for reports only: the kernels keep their own
         self._configs = {}
 
     @property
     def recv(self) -> cupy.ndarray:
         """This rank's recv slots [max_tokens, k, H] (bf16)."""
-        return self._recv.view(self.dtype, (self.max_tokens, self.top_k, self.hidden))
+        if self._recv_view is None:
+            self._recv_view = self._recv.view(self.dtype, (self.max_tokens, self.top_k, self.hidden))
+        return self._recv_view
 
-    def send_config(self, src_info, status=None) -> np.ndarray:
-        """The PeerSendConfig for rows whose sources are src_info; nothing in it changes from
-        call to call, so one is packed per (src_info, status) buffer and kept."""
+    def send_config(self, src_info, status=None):
+        """The PeerSendConfig for rows whose sources are src_info, as a launch argument
+        (kernel_structs.launch_arg); nothing in it changes from call to call, so one is packed
+        per (src_info, status) buffer and kept."""
         key = (0 if src_info is None else src_info.data.ptr, 0 if status is None else status.data.ptr)
         cfg = self._configs.get(key)
         if cfg is None:
             if len(self._configs) > 64:  # per-call buffers (the baselines) come and go
                 self._configs.clear()
-            cfg = self._configs[key] = pack_peer_send_config(
+            cfg = self._configs[key] = launch_arg(pack_peer_send_config(
                 recv=self._recv.peer_ptrs, arrive=[self.signals.peer(d, sig.ARRIVE) for d in range(self.world)],
                 ready=self.signals.local(sig.READY), src_info=key[0], error=self.signals.local(sig.ERROR),
                 status=key[1], timeout_ns=self.timeout_ns, rank=self.rank, world=self.world, top_k=self.top_k,
-                hidden=self.hidden, max_tokens=self.max_tokens)
+                hidden=self.hidden, max_tokens=self.max_tokens))
         return cfg
 
     def gemm_only(self, act, w2, plan: DevicePlan, intermediate: int) -> None:

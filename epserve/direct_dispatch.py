@@ -20,9 +20,11 @@ import numpy as np
 from . import kernels
 from . import signals as sig
 from .errors import EPServeError
-from .kernel_structs import MAX_LOCAL_EXPERTS, pack_dispatch_config
+from .kernel_structs import MAX_LOCAL_EXPERTS, i32, launch_arg, pack_dispatch_config, u64
 
 INPUT_REJECTED = 100  # EPSERVE_INPUT_REJECTED: the code a rank puts in its count row when its own input failed
+
+_NULL = u64(0)
 
 ROUTE_THREADS, ROUTE_WARPS, PUBLISH_THREADS, CHUNK, MOVE_THREADS = 256, 8, 1024, 32, 256  # as in dispatch.cu
 LAYOUT_THREADS = MAX_LOCAL_EXPERTS  # kLayoutThreads in dispatch.cu: a thread per local expert
@@ -77,11 +79,25 @@ class DirectDispatcher:
         self._move = mod.get_function("epserve_dispatch_move")
         self._release = mod.get_function("epserve_dispatch_release")
         self._sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-        self._cfg = self._config()  # nothing in it changes between calls: the epoch is on the device
+        # Nothing in it changes between calls (the epoch is on the device): packed and wrapped once.
+        self._cfg = launch_arg(self._config())
         # The move kernel's expand blocks wait for its send blocks, so all of them should be
         # resident at once: 256 threads of 60 registers fit 4 blocks on an SM; it asks for 2 + 2.
         self._expand_blocks = max(1, min(self._sms * 2, (W * max_tokens + 7) // 8))
         self._pinned = cupy.cuda.alloc_pinned_memory(4)
+        self._shapes = {}  # (T, rejected) -> the launches' grids and int arguments
+
+    def _launch_shape(self, T: int, rejected: bool) -> tuple:
+        """What the launches of a call with T tokens take besides the pointers, made once per T."""
+        key = (T, rejected)
+        shape = self._shapes.get(key)
+        if shape is None:
+            chunks = (T + CHUNK - 1) // CHUNK
+            route_grid = (max(1, min(self._sms * 2, (chunks + ROUTE_WARPS - 1) // ROUTE_WARPS)),)
+            send_blocks = min(self._sms * 2, (T + 7) // 8)
+            shape = self._shapes[key] = (i32(T), i32(INPUT_REJECTED if rejected else 0), route_grid,
+                                         (send_blocks + self._expand_blocks,), i32(send_blocks))
+        return shape
 
     def _config(self) -> np.ndarray:
         s, W = self.signals, self.world
@@ -103,21 +119,17 @@ class DirectDispatcher:
         count row tells every rank to stop the call."""
         cfg = self._cfg
         T = 0 if rejected else x.shape[0]
-        idx_ptr = np.uint64(0) if T == 0 else np.uint64(topk_idx.data.ptr)
-        chunks = (T + CHUNK - 1) // CHUNK
-        route_grid = (max(1, min(self._sms * 2, (chunks + ROUTE_WARPS - 1) // ROUTE_WARPS)),)
-        self._count(route_grid, (ROUTE_THREADS,), (idx_ptr, np.int32(T), cfg, self._chunk_counts, self._bad_slot),
+        t, code, route_grid, move_grid, send_blocks = self._launch_shape(T, rejected)
+        if T == 0:
+            x = topk_idx = _NULL  # a null pointer (an empty array's may be anything)
+        self._count(route_grid, (ROUTE_THREADS,), (topk_idx, t, cfg, self._chunk_counts, self._bad_slot),
                     shared_mem=self._route_smem)
-        self._publish((1,), (PUBLISH_THREADS,), (idx_ptr, np.int32(T), np.int32(INPUT_REJECTED if rejected else 0),
-                                                 cfg, self._chunk_counts, self._bad_slot))
-        self._rank(route_grid, (ROUTE_THREADS,), (idx_ptr, np.int32(T), cfg, self._chunk_counts, self._tok_pos,
+        self._publish((1,), (PUBLISH_THREADS,), (topk_idx, t, code, cfg, self._chunk_counts, self._bad_slot))
+        self._rank(route_grid, (ROUTE_THREADS,), (topk_idx, t, cfg, self._chunk_counts, self._tok_pos,
                                                   self._slot_rank), shared_mem=self._route_smem)
         self._layout((1,), (LAYOUT_THREADS,), (cfg, self.expert_offsets, self._base))
-        send_blocks = min(self._sms * 2, (T + 7) // 8)
-        x_ptr = np.uint64(0) if T == 0 else np.uint64(x.data.ptr)
-        self._move((send_blocks + self._expand_blocks,), (MOVE_THREADS,),
-                   (x_ptr, np.int32(T), idx_ptr, self._tok_pos, self._slot_rank, cfg, self._base, self.rows,
-                    self.src_info, self.expert_offsets, np.int32(send_blocks)))
+        self._move(move_grid, (MOVE_THREADS,), (x, t, topk_idx, self._tok_pos, self._slot_rank, cfg, self._base,
+                                                self.rows, self.src_info, self.expert_offsets, send_blocks))
         self._release((1,), (32,), (cfg,))
 
     def rows_received(self) -> int:

@@ -13,7 +13,7 @@ import cupy
 
 from . import ops
 from .device_plan import DevicePlan
-from .kernel_structs import pack_peer_pointers
+from .kernel_structs import launch_arg, pack_peer_pointers
 from .nccl_transport import exchange_rows
 
 
@@ -30,7 +30,7 @@ class Dispatcher:
         self.dtype = dtype
         if transport == "ipc":
             self._send_buf = group.allocate(max(1, send_capacity_rows) * self.row_bytes)
-            self._peer_bases = pack_peer_pointers(self._send_buf.peer_ptrs)
+            self._peer_bases = launch_arg(pack_peer_pointers(self._send_buf.peer_ptrs))
 
     def dispatch(self, x: cupy.ndarray, plan: DevicePlan) -> cupy.ndarray:
         """x [T, H] bf16 -> the rows this rank's experts receive, [M, H] in expert order."""

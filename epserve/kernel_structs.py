@@ -3,11 +3,25 @@ PeerSendConfig (cuda/sinks/peer_send_config.cuh) and DispatchConfig
 (cuda/comm/dispatch_config.cuh), plus the pointer tables of the row and release kernels.
 Each is a size-1 structured NumPy array: CuPy passes its data pointer and the driver copies
 the parameter's size. tests/cpu/test_kernel_structs.py compiles static_asserts of these
-offsets against the CUDA definitions."""
+offsets against the CUDA definitions.
+
+A launch argument made from a NumPy array costs host time on every launch: CuPy wraps the
+array in a `CNumpyArray`, which reads `__array_interface__`, and NumPy rebuilds the
+description of a structured dtype for that (`_internal._array_descr`) each time. The structs
+do not change between calls, so each is wrapped once (`launch_arg`) and the wrapper, which
+CuPy passes through as it is, goes to every launch. `i32`/`u64` do the same for fixed
+scalars."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
+
+try:  # CuPy's by-value launch argument: a pointer to the bytes, kept alive with them
+    from cupy.cuda.function import CNumpyArray as _CNumpyArray
+except ImportError:  # pragma: no cover - an older CuPy: it wraps the array itself on every launch
+    _CNumpyArray = None
 
 MAX_PEERS = 8  # EPSERVE_MAX_PEERS
 # EPSERVE_MAX_LOCAL_EXPERTS (common/types.cuh): the GEMM keeps a table per local expert, the
@@ -104,3 +118,24 @@ def pack_peer_pointers(addresses) -> np.ndarray:
     table = np.zeros(1, PEER_POINTERS)
     table["ptr"][0, : len(addresses)] = addresses
     return table
+
+
+def launch_arg(value: np.ndarray):
+    """A size-1 NumPy array (a struct, a tensor map, a scalar) as a ready-made CuPy launch
+    argument, passed by value exactly as CuPy passes the array itself, without the per-launch
+    wrapping. The array must not be written to afterwards (CuPy reads it at each launch)."""
+    if value.size != 1:
+        raise ValueError(f"a by-value launch argument is one element, got shape {value.shape}")
+    return value if _CNumpyArray is None else _CNumpyArray(value)
+
+
+@functools.lru_cache(maxsize=4096)
+def i32(value: int):
+    """An int kernel argument, made once per value."""
+    return launch_arg(np.full(1, value, np.int32))
+
+
+@functools.lru_cache(maxsize=4096)
+def u64(value: int):
+    """An unsigned 64-bit kernel argument (an address, a count), made once per value."""
+    return launch_arg(np.full(1, value, np.uint64))

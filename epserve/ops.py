@@ -11,17 +11,19 @@ import cupy
 import numpy as np
 
 from . import kernels, tma
-from .kernel_structs import PEER_SEND_CONFIG
+from .kernel_structs import PEER_SEND_CONFIG, i32, launch_arg, u64
 
-NULL = np.uint64(0)
+NULL = u64(0)  # a null pointer argument
 
 
-def _ptr(a) -> np.uint64:
+def _ptr(a):
+    """A pointer argument: a CuPy array as itself (CuPy passes its data pointer), an address
+    as a uint64 made once per value, None as null."""
     if a is None:
         return NULL
     if isinstance(a, (int, np.integer)):
-        return np.uint64(a)
-    return np.uint64(a.data.ptr)
+        return u64(int(a))
+    return a
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,7 +60,8 @@ def _wgmma_grid(variant: str, device: int) -> int:
     return _sm_count(device) // cluster * cluster
 
 
-_NO_PEERS = np.zeros(1, PEER_SEND_CONFIG)  # what the null sink is given: it never reads it
+# What the null sink is given (it never reads it), wrapped once (kernel_structs.launch_arg).
+_NO_PEERS = launch_arg(np.zeros(1, PEER_SEND_CONFIG))
 
 
 GEMM_IMPLS = ("wgmma", "mma")
@@ -86,8 +89,7 @@ def grouped_gemm(sink: str, A, B, C, expert_offsets, num_experts: int, N: int, K
     if impl == "mma":
         device = cupy.cuda.runtime.getDevice()
         fn, smem, threads = _gemm_kernel(f"gemm_{sink}", "epserve_grouped_gemm", device)
-        args = (_ptr(A), _ptr(B), _ptr(C), _ptr(expert_offsets), np.int32(num_experts), np.int32(N), np.int32(K),
-                cfg, np.int32(gate))
+        args = (_ptr(A), _ptr(B), _ptr(C), _ptr(expert_offsets), i32(num_experts), i32(N), i32(K), cfg, i32(gate))
         fn((_sm_count(device),), (threads,), args, shared_mem=smem)
     else:
         _wgmma_gemm(f"gemm_wgmma_{sink}", A, B, num_experts * N, C, expert_offsets, num_experts, N, K, cfg, gate)
@@ -124,7 +126,7 @@ def _rows_map(ptr: int, rows: int, cols: int, box_rows: int) -> np.ndarray:
     same buffer: the service's capacity-sized buffers and the caller's weights each get one.
     (A freed buffer whose address comes back with the same shape gets the same map it would
     get anew.) Never written to after it is made."""
-    return tma.bf16_rows_map(ptr, rows, cols, box_rows=box_rows)
+    return launch_arg(tma.bf16_rows_map(ptr, rows, cols, box_rows=box_rows))
 
 
 def _wgmma_gemm(variant: str, A, B, b_rows: int, C, expert_offsets, num_experts: int, N: int, K: int, cfg,
@@ -133,16 +135,22 @@ def _wgmma_gemm(variant: str, A, B, b_rows: int, C, expert_offsets, num_experts:
     if M == 0:
         return  # no rows, no tiles (and a tensor map cannot have an empty dimension)
     device = cupy.cuda.runtime.getDevice()
-    fn, smem, threads = _gemm_kernel(variant, "epserve_grouped_gemm_wgmma", device)
-    b_box = _b_box_rows(variant, device)
+    fn, smem, threads, grid, b_box = _wgmma_kernel(variant, device)
     # A in 64-row boxes, one per consumer warpgroup; B in boxes of the rows one tile's
     # accumulator columns take: 256, or 128 gate + 128 up rows with SwiGLU.
     map_a = _rows_map(A.data.ptr, M, K, 64)
     map_b = _rows_map(B.data.ptr, b_rows, K, b_box)
     counter = _tile_counter(device, cupy.cuda.get_current_stream().ptr)
-    args = (map_a, map_b, _ptr(C), _ptr(expert_offsets), np.int32(num_experts), np.int32(N), np.int32(K), cfg,
-            np.int32(gate), _ptr(counter))
-    fn((_wgmma_grid(variant, device),), (threads,), args, shared_mem=smem)
+    args = (map_a, map_b, NULL if C is None else C, expert_offsets, i32(num_experts), i32(N), i32(K), cfg, i32(gate),
+            counter)
+    fn(grid, threads, args, shared_mem=smem)
+
+
+@functools.lru_cache(maxsize=None)
+def _wgmma_kernel(variant: str, device: int):
+    """Everything a wgmma GEMM launch needs that depends on the variant and device alone."""
+    fn, smem, threads = _gemm_kernel(variant, "epserve_grouped_gemm_wgmma", device)
+    return fn, smem, (threads,), (_wgmma_grid(variant, device),), _b_box_rows(variant, device)
 
 
 def swiglu(h, act, M: int, intermediate: int) -> None:
@@ -187,8 +195,8 @@ def combine_arm(topk_idx, T: int, k: int, experts_per_rank: int, world: int, uni
     """expected[s] += units of this call's slots owned by rank s (expected: per-sender array),
     unless the call status says the dispatch verdict stopped the call."""
     fn = kernels.function("combine", "epserve_combine_arm")
-    fn((1,), (256,), (_ptr(topk_idx), np.int32(T), np.int32(k), np.int32(experts_per_rank), np.int32(world),
-                      np.int32(units_per_slot), np.uint64(expected_ptr), _ptr(status)))
+    fn((1,), (256,), (_ptr(topk_idx), i32(T), i32(k), i32(experts_per_rank), i32(world), i32(units_per_slot),
+                      u64(expected_ptr), _ptr(status)))
 
 
 def combine_reduce(recv, topk_idx, topk_weights, out, T: int, k: int, H: int, world: int, arrive_ptr: int,
@@ -196,11 +204,11 @@ def combine_reduce(recv, topk_idx, topk_weights, out, T: int, k: int, H: int, wo
     """The reduction; a failed call (status, or its own wait running out) poisons out."""
     fn = kernels.function("combine", "epserve_combine_reduce")
     blocks = max(1, min(T, _sm_count(cupy.cuda.runtime.getDevice()) * 8))
-    fn((blocks,), (128,), (_ptr(recv), _ptr(topk_idx), _ptr(topk_weights), _ptr(out), np.int32(T), np.int32(k),
-                           np.int32(H), np.int32(world), np.uint64(arrive_ptr), np.uint64(expected_ptr),
-                           np.uint64(error_ptr), np.uint64(timeout_ns), np.int32(1 if wait else 0), _ptr(status)))
+    fn((blocks,), (128,), (_ptr(recv), _ptr(topk_idx), _ptr(topk_weights), _ptr(out), i32(T), i32(k), i32(H),
+                           i32(world), u64(arrive_ptr), u64(expected_ptr), u64(error_ptr), u64(timeout_ns),
+                           i32(1 if wait else 0), _ptr(status)))
 
 
 def release_recv(peer_ready_table, rank: int, world: int) -> None:
     fn = kernels.function("combine", "epserve_release_recv")
-    fn((1,), (32,), (peer_ready_table, np.int32(rank), np.int32(world)))
+    fn((1,), (32,), (peer_ready_table, i32(rank), i32(world)))

@@ -73,7 +73,9 @@ class SignalBlock:
         self.buffer = buffer
         self.buffer.view(np.uint8, (SIZE,)).fill(0)
         self.error = buffer.view(np.int32, (4,), ERROR)
-        self._pinned = None
+        self._error_ptr = self.error.data.ptr
+        self._pinned = None  # pinned host memory for raise_pending's copy, and its int32 view
+        self._host = None
 
     def peer(self, d: int, offset: int) -> int:
         """Rank d's signal block at `offset` (one of the layout constants), as mapped here."""
@@ -93,11 +95,13 @@ class SignalBlock:
         record is copied behind that work into pinned memory, and the stream is awaited."""
         if self._pinned is None:
             self._pinned = cupy.cuda.alloc_pinned_memory(16)
-        host = np.frombuffer(self._pinned, np.int32, 4)
+            self._host = np.frombuffer(self._pinned, np.int32, 4)
         stream = cupy.cuda.get_current_stream()
-        self.error.get(out=host, stream=stream, blocking=False)
+        cupy.cuda.runtime.memcpyAsync(self._pinned.ptr, self._error_ptr, 16, cupy.cuda.runtime.memcpyDeviceToHost,
+                                      stream.ptr)
         stream.synchronize()
-        self._raise(rank, host.copy())
+        if self._host[0] != 0:
+            self._raise(rank, self._host.copy())
 
     def _raise(self, rank: int, record) -> None:
         code, peer, detail, _ = (int(v) for v in record)

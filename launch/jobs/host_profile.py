@@ -6,7 +6,9 @@ At a small layer the GPU finishes before Python has issued the next kernel, so t
 work per call (argument packing, tensor maps, kernel lookups, synchronizations) sets the
 layer's time. For each path this prints the GPU time of one call (CUDA events, the stream
 kept busy by a long kernel first, so launch gaps cannot show), the wall time per call of
-back-to-back calls, and cProfile's top functions by own time."""
+back-to-back calls, and cProfile's top functions by own time. For the paths that never wait
+for the GPU (forward with check=False) it also prints the host's own time per call: the
+calls are issued while a long kernel holds the stream, so none of them waits for the GPU."""
 
 from __future__ import annotations
 
@@ -54,6 +56,46 @@ def _spin_gpu(ms: float) -> None:
     _SPIN((1,), (1,), (np.int64(ms * 1e6),))
 
 
+def host_ms(fn, calls: int) -> float:
+    """Host time per call of a path that never waits for the GPU: issued behind a long kernel,
+    so the GPU cannot slow the loop down."""
+    cupy.cuda.runtime.deviceSynchronize()
+    _spin_gpu(50.0)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    took = time.perf_counter() - t0
+    cupy.cuda.runtime.deviceSynchronize()
+    return took * 1e3 / calls
+
+
+def launch_floor_us() -> tuple[float, float]:
+    """Host time of one bare CuPy launch (one pre-wrapped argument; fourteen), for scale: a
+    forward is about a dozen launches."""
+    from epserve.kernel_structs import i32, u64
+
+    one = (u64(0),)
+    many = (u64(0),) + (i32(1),) * 13
+    out = []
+    for kernel, args in ((_NOP1, one), (_NOP14, many)):
+        kernel((1,), (1,), args)  # compiled and loaded before the clock starts
+        cupy.cuda.runtime.deviceSynchronize()
+        _spin_gpu(50.0)
+        t0 = time.perf_counter()
+        for _ in range(200):
+            kernel((1,), (1,), args)
+        out.append((time.perf_counter() - t0) * 1e6 / 200)
+        cupy.cuda.runtime.deviceSynchronize()
+    return out[0], out[1]
+
+
+_NOP_SRC = r"""
+extern "C" __global__ void nop1(long long a) {}
+extern "C" __global__ void nop14(long long a, int b, int c, int d, int e, int f, int g, int h, int i, int j, int k,
+                                 int l, int m, int n) {}"""
+_NOP1, _NOP14 = cupy.RawKernel(_NOP_SRC, "nop1"), cupy.RawKernel(_NOP_SRC, "nop14")
+
+
 def wall_ms(fn, calls: int) -> float:
     cupy.cuda.runtime.deviceSynchronize()
     t0 = time.perf_counter()
@@ -85,6 +127,7 @@ def main():
             "dispatch nccl": lambda: svc.dispatch(x, idx, w, "nccl"),
             "expert_ffn peer": lambda: svc.expert_ffn(d, w13, w2, "peer"),
             "forward peer+direct": lambda: svc.forward(x, idx, w, w13, w2, "peer", "direct"),
+            "forward p+d check=F": lambda: svc.forward(x, idx, w, w13, w2, "peer", "direct", check=False),
             "forward null+nccl": lambda: svc.forward(x, idx, w, w13, w2, "null", "nccl"),
         }
         for fn in paths.values():
@@ -92,23 +135,28 @@ def main():
         if rank == 0:
             print(f"# host_profile: {world} rank(s), T={args.tokens} H={args.hidden} I={args.intermediate} "
                   f"E={args.experts} k={args.top_k}; ms per call")
-            print(f"{'path':<22}{'GPU ms':>9}{'wall ms':>9}")
+            print(f"{'path':<22}{'GPU ms':>9}{'wall ms':>9}{'host ms':>9}")
         for name, fn in paths.items():
             g = gpu_ms(fn, 5)
             wl = wall_ms(fn, args.calls)
+            hs = f"{host_ms(fn, 20):>9.4f}" if "check=F" in name else f"{'-':>9}"
             if rank == 0:
-                print(f"{name:<22}{g:>9.3f}{wl:>9.3f}", flush=True)
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(args.calls):
-            paths["forward peer+direct"]()
-        cupy.cuda.runtime.deviceSynchronize()
-        prof.disable()
+                print(f"{name:<22}{g:>9.3f}{wl:>9.3f}{hs}", flush=True)
+        one, many = launch_floor_us()
         if rank == 0:
-            out = io.StringIO()
-            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
-            print(f"# cProfile of {args.calls} forward calls (peer + direct), by own time")
-            print(out.getvalue())
+            print(f"# one bare launch: {one:.2f} us of host time (1 argument), {many:.2f} us (14 arguments)")
+        for name in ("forward peer+direct", "forward p+d check=F"):
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.calls):
+                paths[name]()
+            cupy.cuda.runtime.deviceSynchronize()
+            prof.disable()
+            if rank == 0:
+                out = io.StringIO()
+                pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
+                print(f"# cProfile of {args.calls} calls of {name!r}, by own time")
+                print(out.getvalue())
 
 
 if __name__ == "__main__":

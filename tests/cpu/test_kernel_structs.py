@@ -110,3 +110,25 @@ def test_python_limits_match_the_cuda_defines():
                                   ("comm/dispatch_config.cuh", "EPSERVE_MAX_EXPERTS", MAX_EXPERTS)):
         text = (build.CUDA_ROOT / header).read_text()
         assert int(re.search(rf"#define {define} (\d+)", text).group(1)) == value, define
+
+
+def test_launch_args_point_at_the_packed_bytes():
+    """A wrapped struct or scalar is what CuPy itself would make of the size-1 array at each
+    launch (a CNumpyArray over its bytes), made once: the kernel gets the same bytes."""
+    import ctypes
+
+    from cupy.cuda.function import CNumpyArray, CPointer
+
+    from epserve.kernel_structs import i32, launch_arg, u64
+
+    cfg = pack_peer_send_config(recv=[0x1000], arrive=[0x3000], ready=0x5000, src_info=0x6000, error=0x7000,
+                                status=0x8000, timeout_ns=9, rank=0, world=1, top_k=8, hidden=2048, max_tokens=64)
+    arg = launch_arg(cfg)
+    assert isinstance(arg, CNumpyArray) and isinstance(arg, CPointer)  # CuPy passes a CPointer through as it is
+    assert arg.ptr == cfg.ctypes.data
+    assert ctypes.string_at(arg.ptr, cfg.itemsize) == cfg.tobytes()
+    assert ctypes.c_int32.from_address(i32(-7).ptr).value == -7
+    assert ctypes.c_uint64.from_address(u64(2**63 + 5).ptr).value == 2**63 + 5
+    assert i32(3) is i32(3)  # made once per value
+    with pytest.raises(ValueError, match="one element"):
+        launch_arg(np.zeros(4, np.uint8))
