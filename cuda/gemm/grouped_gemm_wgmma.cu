@@ -40,7 +40,9 @@
 // - EPSERVE_GEMM_CLUSTER=2: CTA pairs (__cluster_dims__) compute neighbouring column tiles of
 //   the same rows; the leader's producer feeds both, the A tile once by TMA multicast, so A's
 //   L2 reads halve. Barrier operations at cluster scope in the k-loop cost 50%; with them at
-//   CTA scope the pairs still ran 2-5% behind single CTAs.
+//   CTA scope the pairs still ran 2-9% behind single CTAs. With EPSERVE_GEMM_CLUSTER_SHARES_B=1
+//   the pair computes neighbouring m-tiles of one expert and shares B (33% less traffic per
+//   CTA, but an expert's odd last m-tile leaves the follower idle): 13-23% behind.
 #include "common/bf16.cuh"
 #include "common/ptx.cuh"
 #include "common/wgmma_m64n256.cuh"
