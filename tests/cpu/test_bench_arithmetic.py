@@ -177,3 +177,14 @@ def test_ratios_and_rates():
 def test_rates_must_be_positive_finite_numbers(bad):
     with pytest.raises(ConfigError, match="gemm_flop_s"):
         ar.Rates(gemm_flop_s=bad, copy_bytes_s=1.0, peer_bytes_s=1.0)
+
+
+def test_mma_row_fraction_by_hand():
+    """Each expert pays whole 128-row tiles plus its tail rounded up to the step: 16 (the
+    wgmma GEMM's swapped tails), 64 (its 64-row halves) or 128 (whole tiles)."""
+    rows = [128, 1, 16, 17, 0, 129]
+    real = sum(rows)  # 291
+    assert ar.mma_row_fraction(rows) == pytest.approx(real / (128 + 16 + 16 + 32 + 0 + 144))
+    assert ar.mma_row_fraction(rows, 128, 64) == pytest.approx(real / (128 + 64 + 64 + 64 + 0 + 192))
+    assert ar.mma_row_fraction(rows, 128, 128) == pytest.approx(real / (128 + 128 + 128 + 128 + 0 + 256))
+    assert ar.mma_row_fraction([0, 0]) == 1.0
