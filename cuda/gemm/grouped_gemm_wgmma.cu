@@ -45,7 +45,6 @@
 //   CTA, but an expert's odd last m-tile leaves the follower idle): 13-23% behind.
 #include "common/bf16.cuh"
 #include "common/ptx.cuh"
-#include "common/wgmma_m64n256.cuh"
 #include "common/wgmma_m64nN.cuh"
 #include "ffn/swiglu.cuh"
 #include "gemm/tile_scheduler.cuh"
@@ -437,8 +436,8 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
         mainloop([&](const unsigned char* a, const unsigned char* b, int kt) {
 #pragma unroll
           for (int kk = 0; kk < kBK / 16; ++kk)
-            wgmma_m64n256k16(acc, smem_desc_sw128(a + warpgroup * kHalfA + kk * 32), smem_desc_sw128(b + kk * 32),
-                             (kt | kk) != 0);
+            wgmma_m64nNk16<256>(acc, smem_desc_sw128(a + warpgroup * kHalfA + kk * 32), smem_desc_sw128(b + kk * 32),
+                                (kt | kk) != 0);
         });
         fence_operands(acc);
       } else if (swap_n == 0) {
