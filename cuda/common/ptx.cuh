@@ -85,14 +85,16 @@ __device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t count) {
 __device__ __forceinline__ void fence_mbarrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
-__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t phase) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),
-      "r"(phase)
-      : "memory");
-}
+// Spins until the barrier completes the phase of this parity; SEM is the try_wait's
+// semantics ("" for the default acquire at CTA scope).
+#define EPSERVE_MBARRIER_WAIT(SEM)                                                       \
+  asm volatile(                                                                          \
+      "{\n.reg .pred done;\nWAIT_%=:\n"                                                  \
+      "mbarrier.try_wait.parity" SEM ".shared::cta.b64 done, [%0], %1;\n"                \
+      "@!done bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),                                    \
+      "r"(phase)                                                                         \
+      : "memory")
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t phase) { EPSERVE_MBARRIER_WAIT(""); }
 __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
@@ -147,12 +149,7 @@ __device__ __forceinline__ void st_shared_cluster(int* p, uint32_t cta, int v) {
 }
 // mbarrier_wait that also sees what another CTA of the cluster wrote before its release-arrive.
 __device__ __forceinline__ void mbarrier_wait_cluster(uint64_t* bar, uint32_t phase) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),
-      "r"(phase)
-      : "memory");
+  EPSERVE_MBARRIER_WAIT(".acquire.cluster");
 }
 // tma_load_2d into the same offset of every CTA whose bit is set in cta_mask; each
 // destination's barrier at `bar`'s offset gets the box's bytes.
