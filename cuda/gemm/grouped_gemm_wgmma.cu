@@ -31,7 +31,7 @@
 // frees a stage only when its wgmmas are done; with 3 that would leave the producer a single
 // stage to fill, so it waits for each slice (depth 0). -DEPSERVE_WGMMA_DEPTH overrides it.
 //
-// Two knobs, off by default because they measured slower here (notes/gemm.md, "Swapped
+// Knobs, off by default because they measured slower here (notes/gemm.md, "Swapped
 // tails and CTA pairs"); tests/gpu/test_gemm_swiglu.py holds every build to the default's bits:
 // - EPSERVE_GEMM_SWAP_TAILS=1: an expert's last, partial m-tile runs with A and B swapped,
 //   the weight rows as the wgmma's M and the tile's rows, rounded up to EPSERVE_GEMM_SWAP_STEP
@@ -64,6 +64,9 @@
 #ifndef EPSERVE_GEMM_CLUSTER
 #define EPSERVE_GEMM_CLUSTER 1  // 2: CTA pairs share A tiles by TMA multicast (for A/B timing)
 #endif
+#ifndef EPSERVE_GEMM_CLUSTER_SHARES_B
+#define EPSERVE_GEMM_CLUSTER_SHARES_B 0  // 1: a cluster's CTAs share B (neighbouring m-tiles), not A
+#endif
 #ifndef EPSERVE_GEMM_SWAP_STEP
 #define EPSERVE_GEMM_SWAP_STEP 16  // a swapped tile's rows are rounded up to this: 16, 32, 64 or 128
 #endif
@@ -77,9 +80,6 @@ constexpr bool kSwapTails = EPSERVE_GEMM_SWAP_TAILS != 0;
 constexpr int kSwapStep = EPSERVE_GEMM_SWAP_STEP;
 constexpr int kCluster = EPSERVE_GEMM_CLUSTER;
 static_assert(kCluster == 1 || kCluster == 2, "clusters of one or two CTAs");
-#ifndef EPSERVE_GEMM_CLUSTER_SHARES_B
-#define EPSERVE_GEMM_CLUSTER_SHARES_B 0  // 1: a cluster's CTAs share B (neighbouring m-tiles), not A
-#endif
 constexpr bool kShareB = EPSERVE_GEMM_CLUSTER_SHARES_B != 0;
 static_assert(kSwapStep % 16 == 0 && 128 % kSwapStep == 0, "swapped widths: wgmma_m64nN.cuh has N = 16, 32, .., 128");
 static_assert(!(kSwiGLU && Sink::kEnabled), "GEMM 1 keeps act on this GPU: its sink is the null one");
