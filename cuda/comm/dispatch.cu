@@ -559,11 +559,11 @@ extern "C" __global__ void __launch_bounds__(kMoveThreads)
       if (e < 0) continue;
       const int r = ld_cg_s32(meta + 1 + k + j);
       const int m = base[s * e_loc + e] + r;
-      copy_row(reinterpret_cast<uint4*>(a + static_cast<long long>(m) * H), src, H / 8, lane);
       if (lane == 0) {
         src_info[m] = (s << 24) | (t << 4) | j;
         ret_idx[m] = s == rank ? -1 : peer_block(s, rank) * combine_cap + ret_base[s * e_loc + e] + r;
       }
+      copy_row(reinterpret_cast<uint4*>(a + static_cast<long long>(m) * H), src, H / 8, lane);
     }
   }
 }
