@@ -130,3 +130,19 @@ def test_capacities_and_padding():
     # combine's blocks stay W times the balanced share unless max_recv_rows is below T * k.
     _, tight = padding_factors(256, 8, 8, 4096, max_recv_rows=int(1.25 * 4096 * 8))
     assert tight == pytest.approx(8.0)
+
+
+def test_every_kernel_the_nccl_path_launches_is_in_the_dispatch_module(tmp_path, monkeypatch):
+    import pathlib
+    import re
+
+    from epserve import build, kernels
+
+    monkeypatch.setenv("EPSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    source, defines = kernels.VARIANTS["dispatch"]
+    ptx = build.compile_source(source, defines).ptx.read_text()
+    here = pathlib.Path(__file__).resolve().parents[2] / "epserve" / "nccl_dispatch.py"
+    names = set(re.findall(r'"(epserve_\w+)"', here.read_text()))
+    assert {"epserve_nccl_dispatch_publish", "epserve_nccl_combine_unpack"} <= names
+    for name in names:
+        assert re.search(rf"\.entry {name}\(", ptx), name
