@@ -106,6 +106,13 @@ class Combiner:
         ops.copy_rows(self.recv, staging, plan.home_slot, None, plan.num_send_rows, row_bytes)
         return self._reduce(topk_idx, topk_weights, out, wait=False)
 
+    def unfused_nccl(self, C, nccl_path, topk_idx, topk_weights, out=None):
+        """C (GEMM 2's null build after nccl_path's dispatch of this call) -> recv slots over
+        NCCL, planned on the device (NcclDispatcher.combine) -> the reduction. No host wait."""
+        self.epoch += 1
+        nccl_path.combine(C, topk_idx.shape[0], self.recv)
+        return self._reduce(topk_idx, topk_weights, out, wait=False, status=nccl_path.status)
+
     def _reduce(self, topk_idx, topk_weights, out, *, wait: bool, status=None):
         T = topk_idx.shape[0]
         if out is None:

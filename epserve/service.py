@@ -9,9 +9,13 @@ peer sink) makes no MPI call and waits for the GPU at most once, at its end, to 
 failure on every rank (check_errors=False leaves even that to check()); it can be captured in
 a CUDA graph (capture()). Its buffers are sized for capacity when the service starts, the
 row counts and the epochs stay on the device, and the ranks agree on a call's fate from the
-count rows they exchange on the device (docs/design.md, "Synchronisation"). The baselines
-still plan on the host: the NCCL dispatch and the unfused NCCL combine gather the routing
-with MPI, and the unfused IPC combine reads the row count.
+count rows they exchange on the device (docs/design.md, "Synchronisation"). The NCCL
+transport (dispatch="nccl", with either sink, where every rank has its own GPU) is planned on
+the device the same way, its count rows exchanged by an ncclAllGather on the stream: no MPI
+call, no host wait but the final check. The baselines that remain plan on the host: the
+NCCL dispatch where ranks share a GPU (an IPC pull then) gathers the routing with MPI, the
+unfused IPC combine reads the row count, and the step-by-step expert_ffn with the null sink
+plans its NCCL combine from the gathered routing.
 
 Each call is collective: every rank calls the same methods in the same order. A bad input
 raises the same kind of error on every rank (the rank that holds it gets the detailed
@@ -35,6 +39,7 @@ from .direct_dispatch import DirectDispatcher, Dispatched
 from .dispatch import Dispatcher
 from .errors import ConfigError, EPServeError, PeerTimeoutError
 from .layout import check_recv_capacity, count_recv_rows, plan_dispatch
+from .nccl_dispatch import NcclDispatcher
 from .nccl_transport import gpus_shared, make_nccl
 from .peers import PeerGroup
 from .signals import SignalBlock
@@ -120,6 +125,10 @@ class EPService:
         self.direct = DirectDispatcher(self.group, self.signals, num_experts=c.num_experts, top_k=c.top_k,
                                        hidden=c.hidden, max_tokens=c.max_tokens_per_rank,
                                        max_recv_rows=c.recv_rows_capacity, wait_timeout_s=c.wait_timeout_s, dtype=BF16)
+        # The NCCL transport planned on the device; its buffers are made on first use.
+        self.nccl_path = None if self.shared_gpu else NcclDispatcher(
+            self.nccl, self.signals, rank=self.rank, world=self.world, num_experts=c.num_experts, top_k=c.top_k,
+            hidden=c.hidden, max_tokens=c.max_tokens_per_rank, max_recv_rows=c.recv_rows_capacity, dtype=BF16)
         self.baseline = Dispatcher(self.group, c.hidden, c.max_tokens_per_rank * c.top_k, self.transport, self.nccl,
                                    BF16)
         self.combiner = Combiner(self.group, self.signals, num_experts=c.num_experts, top_k=c.top_k, hidden=c.hidden,
@@ -159,9 +168,10 @@ class EPService:
         """Token rows to the ranks owning their experts, expert-contiguous there.
 
         transport "direct": each row crosses to a rank at most once, by IPC stores, expanded on
-        arrival (one host wait, see the module docstring). "nccl": the baseline, planned on the
-        host from the gathered routing; the IPC pull stands in where ranks share a GPU.
-        Both give bitwise identical rows, offsets and src_info.
+        arrival (one host wait, see the module docstring). "nccl": the same deduplicated rows
+        in fixed-size blocks through one grouped NCCL send/recv, planned on the device (no
+        MPI; epserve/nccl_dispatch.py); where ranks share a GPU, NCCL cannot run and the host-
+        planned IPC pull stands in. All give bitwise identical rows, offsets and src_info.
 
         A transport other than these raises ConfigError on the calling rank at once (the ranks
         cannot agree on a path they do not share); forward checks it on every rank together."""
@@ -173,6 +183,9 @@ class EPService:
             error = exc
         if transport == "direct":
             d = self.direct.dispatch(x, topk_idx, error)
+            return DispatchResult(d.rows, d.expert_offsets, d.src_info, d.num_rows, topk_idx, topk_weights)
+        if self.nccl_path is not None:
+            d = self.nccl_path.dispatch(x, topk_idx, error)
             return DispatchResult(d.rows, d.expert_offsets, d.src_info, d.num_rows, topk_idx, topk_weights)
         ep_comm.collective_verdict(self.comm, "dispatch input", error)
         plan = self._host_plan(topk_idx)
@@ -257,8 +270,10 @@ class EPService:
                   locally and the transport brings it home (the unfused baseline). Both give
                   bitwise identical outputs.
         dispatch  "direct" (default): every token row crosses to each rank that owns one of
-                  its experts once, by stores into that rank's memory. "nccl": the baseline,
-                  planned on the host from the gathered routing. Both give identical rows.
+                  its experts once, by stores into that rank's memory. "nccl": the same rows
+                  through NCCL (grouped send/recv of fixed-size blocks), planned on the device;
+                  with sink "null" GEMM 2's rows go home through NCCL too. Identical rows and
+                  outputs either way.
         out       optional [T, H] bf16 array (C-contiguous, this device) to write into and
                   return; by default a new CuPy array is returned.
 
@@ -269,9 +284,10 @@ class EPService:
         Synchronization: the work goes on the current CuPy stream, and out is ready when that
         stream has done it. The default path (direct dispatch, peer sink) makes no MPI call
         and waits for the GPU at most once, at the end, only when `check` is on; it can be
-        captured in a CUDA graph (see capture()). The baselines plan on the host: dispatch
-        "nccl" and the unfused combine over NCCL gather the routing with MPI, and the unfused
-        combine over IPC (ranks sharing a GPU) reads the row count.
+        captured in a CUDA graph (see capture()). Dispatch "nccl" (either sink) makes no MPI
+        call and no host wait either, where every rank has its own GPU. The baselines that
+        remain: dispatch "nccl" where ranks share a GPU is planned on the host (MPI), and the
+        null sink after the direct dispatch pushes C over IPC after reading the row count.
 
         Failures, on every rank alike, before any row moves, the service usable afterwards:
         - a rank whose own input is bad (shape, dtype, device, layout, token count, an
@@ -293,14 +309,16 @@ class EPService:
         gives up on the peer after wait_timeout_s too) and start a new one on every rank,
         even if the peer comes back.
 
-        The baselines ("nccl" dispatch, or the null sink where the ranks have a GPU each)
-        check their inputs with an MPI verdict first, and raise the same classes.
+        The NCCL path reaches the same verdicts on the device and raises the same classes; a
+        rank whose input is bad still makes its share of every NCCL call (the sizes are
+        fixed), so the ranks must agree on dispatch and sink. The host-planned baseline (NCCL
+        dispatch on a shared GPU) checks its inputs with an MPI verdict first.
         """
         check = self.check_errors if check is None else check
         if self._lost is not None:
             raise PeerTimeoutError(f"rank {self.rank}: this service lost a peer earlier ({self._lost}); close it "
                                    "and start a new one on every rank")
-        if dispatch == "nccl" or (sink == "null" and self.transport == "nccl" and dispatch in DISPATCHES):
+        if dispatch == "nccl" and self.nccl_path is None:  # ranks share a GPU: NCCL cannot run
             return self._forward_baseline(x, topk_idx, topk_weights, w13, w2, sink, dispatch, out)
         try:
             self._check_choice("sink", sink, SINKS)
@@ -310,15 +328,22 @@ class EPService:
             if out is not None:
                 out = checked_array(out, "out", "bf16", (x.shape[0], self.config.hidden))
         except ConfigError as exc:
-            self._stand_in(out, check)
+            self._stand_in(out, check, dispatch, sink)
             raise exc
-        c, d = self.config, self.direct
+        c = self.config
+        d = self.nccl_path if dispatch == "nccl" else self.direct
         d.enqueue(x, topk_idx)
         ops.gemm1_swiglu(d.rows, w13, self._act, d.expert_offsets, c.experts_per_rank, c.intermediate, c.hidden)
         if sink == "peer":
             out = self.combiner.fused(self._act, w2, d, topk_idx, topk_weights, c.intermediate, out=out,
                                       status=d.status)
-        else:  # the unfused baseline over IPC (ranks sharing a GPU): it reads the row count
+        elif dispatch == "nccl":  # the unfused layer over NCCL: GEMM 2 stores C, NCCL brings it home
+            if self._C is None:
+                self._C = cupy.empty((c.recv_rows_capacity, c.hidden), BF16)
+            ops.grouped_gemm("null", self._act, w2, self._C, d.expert_offsets, c.experts_per_rank, c.hidden,
+                             c.intermediate)
+            out = self.combiner.unfused_nccl(self._C, d, topk_idx, topk_weights, out=out)
+        else:  # the null sink after the direct dispatch: C pushed over IPC; it reads the row count
             if self._C is None:
                 self._C = cupy.empty((c.recv_rows_capacity, c.hidden), BF16)
             ops.grouped_gemm("null", self._act, w2, self._C, d.expert_offsets, c.experts_per_rank, c.hidden,
@@ -329,11 +354,17 @@ class EPService:
             self._raise_pending()
         return out
 
-    def _stand_in(self, out, check) -> None:
+    def _stand_in(self, out, check, dispatch="direct", sink="peer") -> None:
         """This rank's input failed its host checks: it still takes its part of the call with no
         tokens, so its count row stops every rank before any row moves and the epochs stay in
-        step; a usable `out` is poisoned. Then the caller raises the local error."""
-        self.direct.enqueue(None, None, rejected=True)
+        step; a usable `out` is poisoned. Then the caller raises the local error. On the NCCL
+        path it makes the same NCCL calls as its peers (the combine's too with the null sink)."""
+        if dispatch == "nccl" and self.nccl_path is not None:
+            self.nccl_path.enqueue(None, None, rejected=True)
+            if sink == "null":
+                self.nccl_path.combine(None, 0, self.combiner.recv)
+        else:
+            self.direct.enqueue(None, None, rejected=True)
         self.combiner.stand_in()
         try:
             poisoned = checked_array(out, "out", "bf16", (None, self.config.hidden)) if out is not None else None
@@ -355,8 +386,8 @@ class EPService:
             raise
 
     def _forward_baseline(self, x, topk_idx, topk_weights, w13, w2, sink, dispatch, out):
-        """The NCCL dispatch or the unfused NCCL combine: planned on the host, with an MPI
-        verdict on the inputs first (issue 14 moves these to the device)."""
+        """Dispatch "nccl" where ranks share a GPU (NCCL refuses that): planned on the host, rows
+        pulled over IPC, with an MPI verdict on the inputs first."""
         tokens = getattr(x, "shape", (0,))[0]
         w13, w2, out = self._checked_ffn_inputs(sink, w13, w2, out, tokens, "forward input", dispatch)
         result = self._expert_ffn(self.dispatch(x, topk_idx, topk_weights, dispatch), w13, w2, sink, out, 0)

@@ -123,19 +123,15 @@ extern "C" __global__ void __launch_bounds__(kRouteThreads)
   }
 }
 
-// route, part 2, one CTA: an exclusive scan over the chunks, one counter per thread, turns
-// chunk_counts into chunk bases; the totals are this rank's count row, which goes to every
-// rank's table at once (part 3 is needed only by the send, so the peers' layouts need not
-// wait for it). Resets *bad_slot for the next call.
-extern "C" __global__ void __launch_bounds__(kPublishThreads, 1)
-    epserve_dispatch_route_publish(const int* __restrict__ topk_idx, int T, int input_error, const DispatchConfig cfg,
-                                   int* __restrict__ chunk_counts, int* __restrict__ bad_slot) {
-  __shared__ int totals[EPSERVE_MAX_EXPERTS + EPSERVE_MAX_PEERS];
-  __shared__ int ok[EPSERVE_MAX_PEERS];
-  __shared__ int bad;
+// route, part 2's scan, shared by both transports (one CTA): an exclusive scan over the
+// chunks, one counter per thread, turns chunk_counts into chunk bases and leaves the totals
+// (this rank's count row) in totals; thread 0 takes route's lowest bad slot into *bad, resets
+// *bad_slot for the next call and records a bad expert id of this rank's own routing.
+__device__ void route_totals(const int* __restrict__ topk_idx, int T, int input_error, const DispatchConfig& cfg,
+                             int* __restrict__ chunk_counts, int* __restrict__ bad_slot, int* totals, int* bad) {
   const int E = cfg.num_experts, W = cfg.world, k = cfg.top_k, width = E + W;
   const int chunks = (T + kChunk - 1) / kChunk;
-  for (int i = threadIdx.x; i < width; i += kPublishThreads) {
+  for (int i = threadIdx.x; i < width; i += blockDim.x) {
     int run = 0;
 #pragma unroll 8
     for (int c = 0; c < chunks; ++c) {
@@ -146,10 +142,24 @@ extern "C" __global__ void __launch_bounds__(kPublishThreads, 1)
     totals[i] = run;
   }
   if (threadIdx.x == 0) {
-    bad = *bad_slot;
+    *bad = *bad_slot;
     *bad_slot = 0x7fffffff;
-    if (!input_error && bad != 0x7fffffff) record_error(cfg.error, kDispatchBadExpert, bad / k, topk_idx[bad]);
+    if (!input_error && *bad != 0x7fffffff) record_error(cfg.error, kDispatchBadExpert, *bad / k, topk_idx[*bad]);
   }
+}
+
+// route, part 2, one CTA: an exclusive scan over the chunks, one counter per thread, turns
+// chunk_counts into chunk bases; the totals are this rank's count row, which goes to every
+// rank's table at once (part 3 is needed only by the send, so the peers' layouts need not
+// wait for it). Resets *bad_slot for the next call.
+extern "C" __global__ void __launch_bounds__(kPublishThreads, 1)
+    epserve_dispatch_route_publish(const int* __restrict__ topk_idx, int T, int input_error, const DispatchConfig cfg,
+                                   int* __restrict__ chunk_counts, int* __restrict__ bad_slot) {
+  __shared__ int totals[EPSERVE_MAX_EXPERTS + EPSERVE_MAX_PEERS];
+  __shared__ int ok[EPSERVE_MAX_PEERS];
+  __shared__ int bad;
+  const int E = cfg.num_experts, W = cfg.world, width = E + W;
+  route_totals(topk_idx, T, input_error, cfg, chunk_counts, bad_slot, totals, &bad);
   if (threadIdx.x < W) {
     const int d = threadIdx.x;
     const unsigned long long done = ld_acquire_sys(cfg.my_ready + cfg.rank);
@@ -225,28 +235,17 @@ __device__ void dispatch_verdict(const DispatchConfig& cfg, const int* table, co
   cfg.status[kCallStopped] = code != 0;
 }
 
-extern "C" __global__ void __launch_bounds__(kLayoutThreads, 1)
-    epserve_dispatch_layout(const DispatchConfig cfg, int* __restrict__ expert_offsets, int* __restrict__ base) {
+// Layout from the W count rows in `table` (both transports): expert_offsets, each source's
+// base per local expert, and the verdict into the call status. Every thread of the block
+// calls it; it returns true when the verdict stopped the call (expert_offsets are then zero).
+__device__ bool layout_from_table(const DispatchConfig& cfg, const int* table, int* __restrict__ expert_offsets,
+                                  int* __restrict__ base) {
   const int E = cfg.num_experts, W = cfg.world, e_loc = E / W, row = E + W + 1;
-  __shared__ int arrived, total_rows, stopped;
+  __shared__ int total_rows, stopped;
   __shared__ int rows_to[EPSERVE_MAX_PEERS];
   __shared__ int warp_sums[kLayoutThreads / 32];
   if (threadIdx.x < EPSERVE_MAX_PEERS) rows_to[threadIdx.x] = 0;
-  if (threadIdx.x == 0) {
-    arrived = 1;
-    const unsigned long long epoch = ld_acquire_sys(cfg.my_ready + cfg.rank) + 1;
-    for (int s = 0; s < W && arrived; ++s) {
-      arrived = wait_at_least(cfg.my_count_arrive + s, epoch, cfg.timeout_ns);
-      if (!arrived) record_error(cfg.error, kDispatchCountTimeout, s, static_cast<int>(epoch));
-    }
-    if (!arrived) cfg.status[kCallFailed] = cfg.status[kCallStopped] = 1;
-  }
   __syncthreads();
-  if (!arrived) {  // nothing moves from or to here; GEMMs see no rows
-    if (threadIdx.x <= e_loc) expert_offsets[threadIdx.x] = 0;
-    return;
-  }
-  const int* table = cfg.count_table[cfg.rank];
   const int e = threadIdx.x, lane = threadIdx.x & 31;  // local expert e of every rank
   const bool expert = e < e_loc;
   // Rows every rank receives: thread e adds expert e of each destination over the sources.
@@ -272,7 +271,7 @@ extern "C" __global__ void __launch_bounds__(kLayoutThreads, 1)
   __syncthreads();
   if (stopped) {
     if (threadIdx.x <= e_loc) expert_offsets[threadIdx.x] = 0;
-    return;
+    return true;
   }
   if (expert) {
     expert_offsets[e] = run;
@@ -284,6 +283,28 @@ extern "C" __global__ void __launch_bounds__(kLayoutThreads, 1)
     }
   }
   if (e == 0) expert_offsets[e_loc] = total_rows;
+  return false;
+}
+
+extern "C" __global__ void __launch_bounds__(kLayoutThreads, 1)
+    epserve_dispatch_layout(const DispatchConfig cfg, int* __restrict__ expert_offsets, int* __restrict__ base) {
+  const int W = cfg.world, e_loc = cfg.num_experts / W;
+  __shared__ int arrived;
+  if (threadIdx.x == 0) {
+    arrived = 1;
+    const unsigned long long epoch = ld_acquire_sys(cfg.my_ready + cfg.rank) + 1;
+    for (int s = 0; s < W && arrived; ++s) {
+      arrived = wait_at_least(cfg.my_count_arrive + s, epoch, cfg.timeout_ns);
+      if (!arrived) record_error(cfg.error, kDispatchCountTimeout, s, static_cast<int>(epoch));
+    }
+    if (!arrived) cfg.status[kCallFailed] = cfg.status[kCallStopped] = 1;
+  }
+  __syncthreads();
+  if (!arrived) {  // nothing moves from or to here; GEMMs see no rows
+    if (threadIdx.x <= e_loc) expert_offsets[threadIdx.x] = 0;
+    return;
+  }
+  layout_from_table(cfg, cfg.count_table[cfg.rank], expert_offsets, base);
 }
 
 // One warp per token: its row to every destination that owns one of its experts, once.
@@ -408,5 +429,175 @@ extern "C" __global__ void epserve_dispatch_release(const DispatchConfig cfg) {
     if (!call_stopped(cfg.status))
       cfg.expected_tokens[s] += ld_cg_s32(cfg.count_table[cfg.rank] + s * row + cfg.num_experts + cfg.rank);
     red_release_sys_add(cfg.ready[s] + cfg.rank, 1ull);
+  }
+}
+
+// ---- The NCCL transport, planned on the device (epserve/nccl_dispatch.py) -------------------
+// Same route kernels (count, rank) and the same layout and verdict as the direct dispatch;
+// only the movement differs. Every NCCL call has a size fixed when the service starts, so the
+// host needs no count and the path can be captured in a CUDA graph:
+//   publish     the count row into this rank's row of a local [W][E + W + 1] table, which one
+//               in-place ncclAllGather (on the stream) fills with every rank's row
+//   layout      layout_from_table, plus the combine's return positions (two scans per rank)
+//   pack        each token row once per destination into that destination's fixed block of
+//               max_tokens rows (this rank's own rows straight into its receive region), its
+//               routing beside it; the home index of each (t, j) for the combine's unpack
+//   (NCCL)      one grouped ncclSend/ncclRecv of the blocks
+//   expand      as the direct expand, without waits: NCCL's kernels precede it on the stream
+// The combine: combine_pack puts C's rows into fixed blocks of combine_cap rows per home rank
+// (this rank's own straight into its recv slots), one grouped send/recv, combine_unpack puts
+// the arrived rows into their recv slots, and the usual reduction follows.
+// Blocks for peers are indexed by peer_block(d): the ranks other than this one, in order.
+
+__device__ __forceinline__ int peer_block(int d, int rank) { return d - (d > rank); }
+
+extern "C" __global__ void __launch_bounds__(kPublishThreads, 1)
+    epserve_nccl_dispatch_publish(const int* __restrict__ topk_idx, int T, int input_error, const DispatchConfig cfg,
+                                  int* __restrict__ chunk_counts, int* __restrict__ bad_slot, int* __restrict__ table) {
+  __shared__ int totals[EPSERVE_MAX_EXPERTS + EPSERVE_MAX_PEERS];
+  __shared__ int bad;
+  const int width = cfg.num_experts + cfg.world;
+  route_totals(topk_idx, T, input_error, cfg, chunk_counts, bad_slot, totals, &bad);
+  __syncthreads();
+  const int error_code = input_error ? input_error : (bad != 0x7fffffff ? kDispatchBadExpert : 0);
+  int* dst = table + cfg.rank * (width + 1);
+  for (int i = threadIdx.x; i <= width; i += blockDim.x) dst[i] = i < width ? (error_code ? 0 : totals[i]) : error_code;
+}
+
+// ret_base[s][e]: where the rows of source s for local expert e start in s's return block
+// (exclusive scan over e of what s sent here); home_base[d * e_loc + e]: the same seen from
+// the home side, where this rank's rows for expert e of rank d start in d's return block. Both
+// are scans of the same count rows, so the sender's and the home rank's positions agree.
+extern "C" __global__ void __launch_bounds__(kLayoutThreads, 1)
+    epserve_nccl_dispatch_layout(const DispatchConfig cfg, const int* __restrict__ table,
+                                 int* __restrict__ expert_offsets, int* __restrict__ base, int* __restrict__ ret_base,
+                                 int* __restrict__ home_base) {
+  if (layout_from_table(cfg, table, expert_offsets, base)) return;
+  __shared__ int warp_sums[kLayoutThreads / 32];
+  __shared__ int total;
+  const int E = cfg.num_experts, W = cfg.world, e_loc = E / W, row = E + W + 1, e = threadIdx.x;
+  const bool expert = e < e_loc;
+  for (int s = 0; s < W; ++s) {
+    const int v = expert ? ld_cg_s32(table + s * row + cfg.rank * e_loc + e) : 0;
+    const int p = block_exclusive_scan(v, warp_sums, &total);
+    if (expert) ret_base[s * e_loc + e] = p;
+    __syncthreads();  // warp_sums is reused by the next scan
+  }
+  for (int d = 0; d < W; ++d) {
+    const int v = expert ? ld_cg_s32(table + cfg.rank * row + d * e_loc + e) : 0;
+    const int p = block_exclusive_scan(v, warp_sums, &total);
+    if (expert) home_base[d * e_loc + e] = p;
+    __syncthreads();
+  }
+}
+
+// One warp per token: its row and routing into each destination's block at its position
+// there (tok_pos), once per destination; blocks: send_tok [W - 1][max_tokens][H] for peers,
+// recv_tok [W][max_tokens][H] by source for this rank's own. home_idx[t * k + j]: the row of
+// the combine's receive buffer that brings (t, j) home, -1 for an unused slot or one this
+// rank serves itself.
+extern "C" __global__ void __launch_bounds__(kMoveThreads)
+    epserve_nccl_dispatch_pack(const bf16_t* __restrict__ x, int T, const int* __restrict__ topk_idx,
+                               const int* __restrict__ tok_pos, const int* __restrict__ slot_rank,
+                               const DispatchConfig cfg, bf16_t* __restrict__ send_tok, int* __restrict__ send_meta,
+                               bf16_t* __restrict__ recv_tok, int* __restrict__ recv_meta,
+                               const int* __restrict__ home_base, int* __restrict__ home_idx, int combine_cap) {
+  if (call_stopped(cfg.status)) return;
+  const int W = cfg.world, k = cfg.top_k, H = cfg.hidden, e_loc = cfg.num_experts / W, meta_len = 1 + 2 * k;
+  const int rank = cfg.rank, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  for (int t = blockIdx.x * warps + (threadIdx.x >> 5); t < T; t += gridDim.x * warps) {
+    const uint4* src = reinterpret_cast<const uint4*>(x + static_cast<long long>(t) * H);
+    const int e = lane < k ? topk_idx[t * k + lane] : -1;
+    const int r = lane < k ? slot_rank[t * k + lane] : -1;
+    for (int d = 0; d < W; ++d) {
+      const int pos = tok_pos[t * W + d];
+      if (pos < 0) continue;
+      const bool own = d == rank;
+      const long long slot = static_cast<long long>(own ? rank : peer_block(d, rank)) * cfg.max_tokens + pos;
+      copy_row(reinterpret_cast<uint4*>((own ? recv_tok : send_tok) + slot * H), src, H / 8, lane);
+      int* meta = (own ? recv_meta : send_meta) + slot * meta_len;
+      if (lane == 0) meta[0] = t;
+      if (lane < k) {
+        const bool here = e >= 0 && e / e_loc == d;
+        meta[1 + lane] = here ? e - d * e_loc : -1;
+        meta[1 + k + lane] = here ? r : -1;
+      }
+    }
+    if (lane < k) {
+      const int d = e >= 0 ? e / e_loc : rank;
+      home_idx[t * k + lane] = d == rank ? -1 : peer_block(d, rank) * combine_cap + home_base[e] + r;
+    }
+  }
+}
+
+// One warp per arrived token row, as expand_tokens, plus ret_idx[m]: the row of the combine's
+// send buffer that takes dispatched row m home (-1 for this rank's own rows).
+extern "C" __global__ void __launch_bounds__(kMoveThreads)
+    epserve_nccl_dispatch_expand(const DispatchConfig cfg, const int* __restrict__ table,
+                                 const bf16_t* __restrict__ recv_tok, const int* __restrict__ recv_meta,
+                                 const int* __restrict__ base, const int* __restrict__ ret_base, bf16_t* __restrict__ a,
+                                 int* __restrict__ src_info, int* __restrict__ ret_idx, int combine_cap) {
+  if (call_stopped(cfg.status)) return;
+  const int E = cfg.num_experts, W = cfg.world, k = cfg.top_k, H = cfg.hidden, e_loc = E / W, row = E + W + 1;
+  const int meta_len = 1 + 2 * k, rank = cfg.rank;
+  __shared__ int first[EPSERVE_MAX_PEERS + 1];  // prefix of token rows per source
+  if (threadIdx.x == 0) {
+    first[0] = 0;
+    for (int s = 0; s < W; ++s) first[s + 1] = first[s] + ld_cg_s32(table + s * row + E + rank);
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  for (int i = blockIdx.x * warps + (threadIdx.x >> 5); i < first[W]; i += gridDim.x * warps) {
+    int s = 0;
+    while (i >= first[s + 1]) ++s;
+    const long long slot = static_cast<long long>(s) * cfg.max_tokens + (i - first[s]);
+    const int* meta = recv_meta + slot * meta_len;
+    const int t = ld_cg_s32(meta);
+    const uint4* src = reinterpret_cast<const uint4*>(recv_tok + slot * H);
+    for (int j = 0; j < k; ++j) {
+      const int e = ld_cg_s32(meta + 1 + j);
+      if (e < 0) continue;
+      const int r = ld_cg_s32(meta + 1 + k + j);
+      const int m = base[s * e_loc + e] + r;
+      if (lane == 0) {
+        src_info[m] = (s << 24) | (t << 4) | j;
+        ret_idx[m] = s == rank ? -1 : peer_block(s, rank) * combine_cap + ret_base[s * e_loc + e] + r;
+      }
+      copy_row(reinterpret_cast<uint4*>(a + static_cast<long long>(m) * H), src, H / 8, lane);
+    }
+  }
+}
+
+// The combine's send side: C's row m (dispatch order; M = expert_offsets[e_loc], read here)
+// into its home rank's return block at ret_idx[m], or, when its home is this rank, straight
+// into its recv slot (t, j). Nothing when the dispatch verdict stopped the call.
+extern "C" __global__ void __launch_bounds__(kMoveThreads)
+    epserve_nccl_combine_pack(const bf16_t* __restrict__ C, const int* __restrict__ expert_offsets, int e_loc,
+                              const int* __restrict__ src_info, const int* __restrict__ ret_idx,
+                              bf16_t* __restrict__ send, bf16_t* __restrict__ recv, int H, int k, int rank,
+                              const int* __restrict__ status) {
+  if (call_stopped(status)) return;
+  const int M = expert_offsets[e_loc];
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  for (int m = blockIdx.x * warps + (threadIdx.x >> 5); m < M; m += gridDim.x * warps) {
+    const RowSource from = decode_src_info(src_info[m]);
+    const long long dst = from.rank == rank ? static_cast<long long>(from.token) * k + from.slot : ret_idx[m];
+    copy_row(reinterpret_cast<uint4*>((from.rank == rank ? recv : send) + dst * H),
+             reinterpret_cast<const uint4*>(C + static_cast<long long>(m) * H), H / 8, lane);
+  }
+}
+
+// The combine's home side: recv slot i = t * k + j gets row home_idx[i] of the return blocks
+// (slots this rank served itself, and unused ones, have -1 and are left alone).
+extern "C" __global__ void __launch_bounds__(kMoveThreads)
+    epserve_nccl_combine_unpack(const bf16_t* __restrict__ returned, const int* __restrict__ home_idx, int slots,
+                                int H, bf16_t* __restrict__ recv, const int* __restrict__ status) {
+  if (call_stopped(status)) return;
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  for (int i = blockIdx.x * warps + (threadIdx.x >> 5); i < slots; i += gridDim.x * warps) {
+    const int h = home_idx[i];
+    if (h < 0) continue;
+    copy_row(reinterpret_cast<uint4*>(recv + static_cast<long long>(i) * H),
+             reinterpret_cast<const uint4*>(returned + static_cast<long long>(h) * H), H / 8, lane);
   }
 }

@@ -10,14 +10,17 @@ and library rows (BASELINES):
                     ranks share a GPU) + the reduction
     library         cuBLAS per expert + the same transport + the reduction
     dispatch-direct direct-store dispatch (one row per token and destination)
-    dispatch-nccl   the baseline dispatch (one row per slot, planned on the host)
-    alltoall        NCCL grouped send/recv of dispatch-nccl's bytes, nothing else (only
+    dispatch-nccl   the NCCL dispatch: planned on the device, one row per token and
+                    destination in fixed-size blocks, one grouped send/recv (where ranks share
+                    a GPU: planned on the host, one row per slot, pulled over IPC)
+    alltoall        NCCL grouped send/recv of one row per slot, nothing else (only
                     where every rank has its own GPU): the library floor of a dispatch. Its
                     NVLink GB/s is nccl-tests' bus bandwidth (bytes to other ranks / time)
     layer-fused     forward: direct dispatch, GEMM 1 + SwiGLU, fused GEMM 2 + combine
-    layer-unfused   forward: NCCL dispatch, GEMM 1 + SwiGLU, GEMM 2 + NCCL combine
+    layer-unfused   forward: NCCL dispatch, GEMM 1 + SwiGLU, GEMM 2 + NCCL combine (both
+                    planned on the device where every rank has its own GPU)
     layer-library   the layer as a torch-free user composes it from libraries: NCCL
-                    dispatch, cuBLAS per expert for both GEMMs, a CuPy elementwise SwiGLU
+                    dispatch planned on the host from the gathered routing, cuBLAS per expert for both GEMMs, a CuPy elementwise SwiGLU
                     between them, NCCL combine and the reduction
 """
 
@@ -109,7 +112,8 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
 
     direct = svc.dispatch(x, idx, w, "direct")
     baseline = svc.dispatch(x, idx, w, "nccl")
-    plan = baseline.plan
+    plan = baseline.plan or svc._host_plan(idx)  # the host plan: the library rows compose with it
+    nccl_path = svc.nccl_path  # the NCCL path planned on the device, None where ranks share a GPU
     M = direct.num_rows
     act, act_again = cupy.empty((M, I), BF16), cupy.empty((M, I), BF16)
     ops.gemm1_swiglu(direct.rows, w13, act, direct.expert_offsets, w13.shape[0], I, H)
@@ -123,18 +127,22 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
 
     def unfused():
         ops.grouped_gemm("null", act, w2, C, direct.expert_offsets, w2.shape[0], H, I)
-        comb.unfused(C, plan, idx, w, out=outs["unfused"])
+        if nccl_path is not None:  # its plan is the last NCCL dispatch's: these same inputs
+            comb.unfused_nccl(C, nccl_path, idx, w, out=outs["unfused"])
+        else:
+            comb.unfused(C, plan, idx, w, out=outs["unfused"])
 
     def library():
         grouped_gemm_per_expert(act, w2, C_lib, offsets_host)
         comb.unfused(C_lib, plan, idx, w, out=outs["library"])
 
     def layer_library():
-        d = svc.dispatch(x, idx, w, "nccl")
-        grouped_gemm_per_expert(d.rows, w13, h_lib, offsets_host)
+        p = svc._host_plan(idx)  # what a library user does: gather the routing, plan on the host
+        rows = svc.baseline.dispatch(x, p)
+        grouped_gemm_per_expert(rows, w13, h_lib, offsets_host)
         library_swiglu(h_lib, act_lib, I)
         grouped_gemm_per_expert(act_lib, w2, C_lib, offsets_host)
-        comb.unfused(C_lib, d.plan, idx, w, out=outs["layer-library"])
+        comb.unfused(C_lib, p, idx, w, out=outs["layer-library"])
 
     runs = {
         "gemm1": lambda: ops.gemm1_swiglu(direct.rows, w13, act_again, direct.expert_offsets, w13.shape[0], I, H),
@@ -178,10 +186,10 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
         "unfused": arithmetic.gemm2_combine_work(counts, H, I),
         "library": arithmetic.gemm2_combine_work(counts, H, I),
         "dispatch-direct": dispatch_work(counts, H, dedup=True),
-        "dispatch-nccl": dispatch_work(counts, H, dedup=False),
+        "dispatch-nccl": dispatch_work(counts, H, dedup=nccl_path is not None),
         "alltoall": dispatch_work(counts, H, dedup=False),
         "layer-fused": arithmetic.layer_work(counts, H, I, dedup_dispatch=True),
-        "layer-unfused": arithmetic.layer_work(counts, H, I, dedup_dispatch=False),
+        "layer-unfused": arithmetic.layer_work(counts, H, I, dedup_dispatch=nccl_path is not None),
         "layer-library": arithmetic.layer_work(counts, H, I, dedup_dispatch=False),
     }
     return [PathResult(p, samples[p], work[p], None if wrong[p] is None else comm.allreduce(wrong[p]))

@@ -4,8 +4,10 @@
 
 Per service shape, several calls with different token counts: forward fused (direct dispatch,
 peer sink) == forward unfused (NCCL dispatch, null sink) bitwise, both within 1e-2 of the
-float64 reference, every output element written (poisoned `out`); direct dispatch == NCCL
-dispatch bitwise (rows, expert_offsets, src_info); inputs passed as foreign
+float64 reference, every output element written (poisoned `out`), the same recv slots, and the
+peer sink after the NCCL dispatch gives the same bits; direct dispatch == NCCL dispatch bitwise
+(rows, expert_offsets, src_info), the NCCL path planned on the device where every rank has a
+GPU (bad inputs on it too); inputs passed as foreign
 __cuda_array_interface__ objects (bf16 as <V2) and through DLPack give the same bits; every
 bad input raises on every rank and leaves the service usable. Prints `RESULT {json}` lines;
 exits non-zero if any check failed on any rank.
@@ -92,8 +94,15 @@ def run_shape(comm, name, H, I, E, k, calls, opts, seed):
             T = x.shape[0]
             out = cupy.full((T, H), np.nan, BF16)  # poisoned: every element must be overwritten
             fused = svc.forward(x, idx, w, w13, w2, sink="peer", dispatch="direct", out=out)
+            used = cupy.asnumpy(idx) >= 0
+            recv_fused = bf16_bits(svc.combiner.recv)[:T][used]
             unfused = svc.forward(x, idx, w, w13, w2, sink="null", dispatch="nccl")
             svc.check()
+            if not np.array_equal(bf16_bits(svc.combiner.recv)[:T][used], recv_fused):
+                failures.append(f"call {n}: recv slots differ between fused and unfused (NCCL)")
+            fused_nccl = svc.forward(x, idx, w, w13, w2, sink="peer", dispatch="nccl")
+            if not np.array_equal(bf16_bits(fused_nccl), bf16_bits(fused)):
+                failures.append(f"call {n}: the peer sink after the NCCL dispatch gave other bits")
             if fused is not out:
                 failures.append(f"call {n}: forward did not return the given out buffer")
             if np.isnan(cupy.asnumpy(fused).astype(np.float32)).any():
@@ -160,6 +169,22 @@ def bad_inputs(comm, svc, cfg, good, good_bits):
         "unknown dispatch": lambda: svc.forward(x, idx, w, w13, w2, dispatch=on_culprit("bogus", "direct")),
         "expert id out of range (found on the device)": lambda: svc.forward(x, on_culprit(bad_id, idx), w, w13, w2),
     }
+    # The NCCL path (where every rank has a GPU): the same verdicts, reached on the device; the
+    # culprit still makes its share of every NCCL call, so nobody hangs.
+    nccl_cases = {}
+    if not svc.shared_gpu:
+        unfused = dict(sink="null", dispatch="nccl")
+        nccl_cases = {
+            "x float32 (nccl)": lambda: svc.forward(on_culprit(x.astype(np.float32), x), idx, w, w13, w2, **unfused),
+            "too many tokens (nccl)": lambda: svc.forward(on_culprit(
+                cupy.zeros((cfg.max_tokens_per_rank + 1, cfg.hidden), BF16), x), idx, w, w13, w2, **unfused),
+            "w2 of the wrong shape (nccl)": lambda: svc.forward(x, idx, w, w13, on_culprit(
+                cupy.zeros((w2.shape[0], cfg.hidden, cfg.intermediate + 64), BF16), w2), **unfused),
+            "expert id out of range (nccl)": lambda: svc.forward(x, on_culprit(bad_id, idx), w, w13, w2, **unfused),
+            "expert id out of range (nccl, peer sink)": lambda: svc.forward(x, on_culprit(bad_id, idx), w, w13, w2,
+                                                                            dispatch="nccl"),
+        }
+    cases.update(nccl_cases)
     if cupy.cuda.runtime.getDeviceCount() > 1 and not svc.shared_gpu:
         other = (svc.device + 1) % cupy.cuda.runtime.getDeviceCount()
         with cupy.cuda.Device(other):
@@ -178,6 +203,10 @@ def bad_inputs(comm, svc, cfg, good, good_bits):
         svc.check()
         if not np.array_equal(bf16_bits(after), good_bits):
             failures.append(f"after '{label}' the service gave other bits")
+        if label in nccl_cases:
+            again = svc.forward(x, idx, w, w13, w2, sink="null", dispatch="nccl")
+            if not np.array_equal(bf16_bits(again), good_bits):
+                failures.append(f"after '{label}' the NCCL path gave other bits")
     failures += overflow_case(comm, cfg, good)
     return failures
 
