@@ -28,6 +28,7 @@ from ..arrays import BF16
 from ..config import MoEConfig
 from ..gpu_probe import stopped_without_gpu
 from . import limits, measure, plots, presets, report
+from .host_calls import counting_comm
 from .progress import progress
 from .results import Run, measured_row, with_baselines
 from .timing import slowest_rank
@@ -113,7 +114,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if stopped_without_gpu("python -m epserve.bench"):
         return 1
-    comm = ep_comm.world()
+    comm = counting_comm(ep_comm.world())  # the same communicator, its MPI calls counted per path
     rank, world = comm.Get_rank(), comm.Get_size()
     chosen = [shape_of(presets.get_preset(name), args.quick) for name in args.presets.split(",")]
     routings = [presets.get_routing(spec) for spec in args.routing.split(",")]
@@ -144,7 +145,8 @@ def main(argv=None) -> int:
                 slowest = slowest_rank([{r.path: ms for r, ms in zip(results, g)} for g in gathered])
                 for n, r in enumerate(results):
                     rows.append(measured_row(at, routing, r.path, slowest[r.path], r.work, rates,
-                                             per_rank_ms=[g[n] for g in gathered], wrong=r.wrong))
+                                             per_rank_ms=[g[n] for g in gathered], wrong=r.wrong,
+                                             host_waits=r.host_waits, mpi_calls=r.mpi_calls))
         del w13, w2
         svc.close()
     if rank != 0:

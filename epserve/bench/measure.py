@@ -19,9 +19,15 @@ and library rows (BASELINES):
     layer-fused     forward: direct dispatch, GEMM 1 + SwiGLU, fused GEMM 2 + combine
     layer-unfused   forward: NCCL dispatch, GEMM 1 + SwiGLU, GEMM 2 + NCCL combine (both
                     planned on the device where every rank has its own GPU)
-    layer-library   the layer as a torch-free user composes it from libraries: NCCL
-                    dispatch planned on the host from the gathered routing, cuBLAS per expert for both GEMMs, a CuPy elementwise SwiGLU
-                    between them, NCCL combine and the reduction
+    layer-library   the layer as a torch-free user composes it from libraries
+                    (library_layer.py): CuPy sort and counts, an NCCL all-to-all of the
+                    counts and one host wait, NCCL send/recv of one row per slot, cuBLAS per
+                    expert for both GEMMs with a CuPy elementwise SwiGLU between them, NCCL
+                    back and a CuPy weighted sum (where ranks share a GPU: the host plan
+                    and the IPC pull stand in for NCCL)
+
+Each path also runs once more, untimed, with its host waits and MPI calls counted
+(host_calls.py): the table's "host waits" and "MPI calls" columns.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from ..nccl_transport import exchange_rows
 from . import arithmetic
 from .cublas import grouped_gemm_per_expert
 from .events import samples_ms
+from .host_calls import counting
+from .library_layer import LibraryLayer
 
 PATHS = ("gemm1", "gemm2", "fused", "unfused", "library", "dispatch-direct", "dispatch-nccl", "alltoall",
          "layer-fused", "layer-unfused", "layer-library")
@@ -78,6 +86,8 @@ class PathResult:
     samples_ms: list       # this rank's per-iteration times
     work: arithmetic.Work
     wrong: int | None      # elements that disagree with the path's reference, None if it has none
+    host_waits: int | None = None  # per call, counted (host_calls.py)
+    mpi_calls: int | None = None
 
 
 def bitwise_wrong(a, b) -> int:
@@ -136,8 +146,13 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
         grouped_gemm_per_expert(act, w2, C_lib, offsets_host)
         comb.unfused(C_lib, plan, idx, w, out=outs["library"])
 
+    library_layer = None if svc.nccl is None else LibraryLayer(svc.nccl, rank, svc.world, E, H, I, library_swiglu)
+
     def layer_library():
-        p = svc._host_plan(idx)  # what a library user does: gather the routing, plan on the host
+        if library_layer is not None:
+            library_layer.forward(x, idx, w, w13, w2, outs["layer-library"])
+            return
+        p = svc._host_plan(idx)  # no NCCL where ranks share a GPU: gather the routing, plan on the host
         rows = svc.baseline.dispatch(x, p)
         grouped_gemm_per_expert(rows, w13, h_lib, offsets_host)
         library_swiglu(h_lib, act_lib, I)
@@ -159,10 +174,14 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
     if svc.nccl is not None:
         runs["alltoall"] = _alltoall(svc.nccl, counts, rank, H)
     paths = [p for p in PATHS if p in runs]
-    samples = {}
+    samples, calls = {}, {}
     for path in paths:
         comm.Barrier()
         samples[path] = samples_ms(runs[path], warmup, iters)
+        comm.Barrier()
+        with counting() as counted:
+            runs[path]()
+        calls[path] = counted
     svc.check()
 
     wrong = {
@@ -192,8 +211,15 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
         "layer-unfused": arithmetic.layer_work(counts, H, I, dedup_dispatch=nccl_path is not None),
         "layer-library": arithmetic.layer_work(counts, H, I, dedup_dispatch=False),
     }
-    return [PathResult(p, samples[p], work[p], None if wrong[p] is None else comm.allreduce(wrong[p]))
+    return [PathResult(p, samples[p], work[p], None if wrong[p] is None else comm.allreduce(wrong[p]),
+                       *_busiest_rank(comm, calls[p]))
             for p in paths]
+
+
+def _busiest_rank(comm, counted) -> tuple:
+    """The most host waits and MPI calls any rank made in its counted call."""
+    every = comm.allgather((counted.host_waits, counted.mpi_calls))
+    return max(w for w, _ in every), max(m for _, m in every)
 
 
 def _alltoall(nccl_comm, counts, rank: int, hidden: int):

@@ -105,6 +105,8 @@ _COLUMNS = (
     _Column("x floor", "(time/floor)", False, lambda r: _or_dash(r.x_floor, lambda x: f"{x:.2f}")),
     _Column("speed-up", "(vs unfused)", False, lambda r: _or_dash(r.speedup_vs_unfused, lambda x: f"{x:.2f}")),
     _Column("speed-up", "(vs library)", False, lambda r: _or_dash(r.speedup_vs_library, lambda x: f"{x:.2f}")),
+    _Column("host", "(waits/call)", False, lambda r: _or_dash(r.host_waits, str)),
+    _Column("MPI", "(calls/call)", False, lambda r: _or_dash(r.mpi_calls, str)),
     _Column("#wrong", "", False, lambda r: _or_dash(r.wrong, str)),
 )
 

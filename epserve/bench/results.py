@@ -28,6 +28,8 @@ class Row:
     unfused_ms: float | None = None   # the unfused path's median at this shape
     library_ms: float | None = None   # the library baseline's median at this shape
     wrong: int | None = None          # elements that differ bitwise from the unfused output
+    host_waits: int | None = None     # host waits for the GPU per call (the most of any rank)
+    mpi_calls: int | None = None      # MPI calls per call (the most of any rank)
 
     @property
     def key(self) -> tuple:
@@ -70,13 +72,14 @@ class Row:
 
 
 def measured_row(preset: Preset, routing: Routing, path: str, slowest: RankTiming, work: Work,
-                 rates: Rates, *, per_rank_ms=None, wrong: int | None = None) -> Row:
+                 rates: Rates, *, per_rank_ms=None, wrong: int | None = None, host_waits: int | None = None,
+                 mpi_calls: int | None = None) -> Row:
     """The Row of a path that ran: `slowest` from timing.slowest_rank, `work` what the path
     must do (arithmetic.gemm2_combine_work and friends), `rates` measured in this run."""
     return Row(preset=preset, routing=routing, path=path, timing=slowest.timing, rank=slowest.rank,
                per_rank_ms=None if per_rank_ms is None else tuple(tuple(ms) for ms in per_rank_ms),
                flops_per_gpu=work.flops_per_gpu, nvlink_bytes=work.nvlink.busiest,
-               floor=work.floor(rates), wrong=wrong)
+               floor=work.floor(rates), wrong=wrong, host_waits=host_waits, mpi_calls=mpi_calls)
 
 
 def with_baselines(rows, unfused_path, library_path=None) -> list[Row]:
@@ -121,6 +124,8 @@ def row_to_dict(row: Row) -> dict:
         "unfused_ms": row.unfused_ms,
         "library_ms": row.library_ms,
         "wrong": row.wrong,
+        "host_waits": row.host_waits,
+        "mpi_calls": row.mpi_calls,
         "derived": {
             "tflop_s_per_gpu": row.tflop_s,
             "nvlink_gb_s": row.nvlink_gb_s,
@@ -146,4 +151,6 @@ def row_from_dict(d: dict) -> Row:
         unfused_ms=d["unfused_ms"],
         library_ms=d["library_ms"],
         wrong=d["wrong"],
+        host_waits=d.get("host_waits"),  # absent from files written before they were counted
+        mpi_calls=d.get("mpi_calls"),
     )

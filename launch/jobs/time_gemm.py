@@ -11,8 +11,9 @@ sink, in its peer build gated off, and cuBLAS per expert. CUDA-event medians, TF
 the weights' streaming rate (what bounds decode), the share of MMA rows that are real
 rows, and the largest difference from cuBLAS. `--variants` adds builds that differ in one
 compile-time knob (listed in VARIANTS below), to measure a knob before it is made the
-default; `--baseline-cuda DIR` adds the wgmma GEMM built from another kernel tree (for
-example `git archive <rev> cuda | tar -x -C DIR`), an A/B in one run. With `--warmup 1
+default; `--baseline-cuda DIR` adds both wgmma GEMMs built from another kernel tree whose
+kernels take the same arguments (for example `git archive <rev> cuda | tar -x -C DIR`), an
+A/B in one run. With `--warmup 1
 --iters 1` every kernel runs twice, for a profiler. One process: no communication in the
 numbers."""
 
@@ -61,7 +62,7 @@ def main():
     for name, (base, defines) in VARIANTS.items():
         source, base_defines = kernels.VARIANTS[base]
         kernels.VARIANTS[name] = (source, {**base_defines, **defines})
-    args.baseline = baseline_kernel(args.baseline_cuda) if args.baseline_cuda else None
+    args.baseline = baseline_variants(args.baseline_cuda) if args.baseline_cuda else None
     rs = cupy.random.RandomState(5)
     dev = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"# grouped GEMMs on one GPU ({dev}): {preset.name}, H {H}, I {I}, {E} local experts of "
@@ -82,28 +83,22 @@ def main():
         gemm2(rs, spec, offsets_host, weights["w2"], H, I, args)
 
 
-def baseline_kernel(cuda_dir):
-    """The null-sink wgmma GEMM compiled from another cuda/ tree; it must take the same
-    arguments (A in 128-row boxes, as before 64-row tails)."""
+def baseline_variants(cuda_dir):
+    """GEMM 1 + SwiGLU and the null-sink GEMM 2 compiled from another cuda/ tree, under the
+    names "baseline-gemm1" and "baseline-gemm2"; they are launched as this tree's are, so
+    that tree's kernels must take the same arguments."""
+    device = cupy.cuda.runtime.getDevice()
+    names = {"baseline-gemm1": "gemm1_wgmma_swiglu", "baseline-gemm2": "gemm_wgmma_null"}
     root = build.CUDA_ROOT
-    build.CUDA_ROOT = Path(cuda_dir)
+    build.CUDA_ROOT = Path(cuda_dir).resolve()
     try:
-        mod = build.load_module("gemm/grouped_gemm_wgmma.cu", {"EPSERVE_SINK": "NullPeerSink"})
+        for name, like in names.items():
+            kernels.VARIANTS[name] = kernels.VARIANTS[like]
+            # Everything ops caches per variant, made now, while the other tree is the root.
+            ops._wgmma_kernel(name, device)
     finally:
         build.CUDA_ROOT = root
-    fn = mod.get_function("epserve_grouped_gemm_wgmma")
-    smem = ops._module_int(mod, "epserve_gemm_smem_bytes")
-    fn.max_dynamic_shared_size_bytes = smem
-    return fn, smem
-
-
-def run_baseline(baseline, A, B, C, offsets, E, N, K):
-    fn, smem = baseline
-    M = A.shape[0]
-    args = (tma.bf16_rows_map(A.data.ptr, M, K, box_rows=128), tma.bf16_rows_map(B.data.ptr, E * N, K, box_rows=256),
-            np.uint64(C.data.ptr), np.uint64(offsets.data.ptr), np.int32(E), np.int32(N), np.int32(K), ops._NO_PEERS,
-            np.int32(0))
-    fn((ops._sm_count(cupy.cuda.runtime.getDevice()),), (384,), args, shared_mem=smem)
+    return tuple(names)
 
 
 def rows_per_expert(spec, preset, ranks, seed):
@@ -165,7 +160,8 @@ def gemm1(rs, spec, offsets_host, w13_host, H, I, args):
                 runs[name] = lambda name=name: ops._wgmma_gemm(name, A, w13, E * 2 * I, act2, offsets, E, I, H,
                                                                ops._NO_PEERS, 0)
     if args.baseline:
-        runs["baseline [M, 2I] alone"] = lambda: run_baseline(args.baseline, A, w13, h, offsets, E, 2 * I, H)
+        runs["baseline + SwiGLU epilogue"] = lambda: ops._wgmma_gemm("baseline-gemm1", A, w13, E * 2 * I, act2, offsets,
+                                                                     E, I, H, ops._NO_PEERS, 0)
     if not args.skip_cublas:
         runs["cuBLAS per expert [M, 2I]"] = lambda: grouped_gemm_per_expert(A, w13, h, offsets_host)
     times = interleaved_ms(runs, args.warmup, args.iters)
@@ -191,7 +187,8 @@ def gemm2(rs, spec, offsets_host, w2_host, H, I, args):
             if base == "gemm_wgmma_null":
                 runs[name] = lambda name=name: ops._wgmma_gemm(name, A, w2, E * H, C, offsets, E, H, I, ops._NO_PEERS, 0)
     if args.baseline:
-        runs["baseline (null sink)"] = lambda: run_baseline(args.baseline, A, w2, C, offsets, E, H, I)
+        runs["baseline (null sink)"] = lambda: ops._wgmma_gemm("baseline-gemm2", A, w2, E * H, C, offsets, E, H, I,
+                                                               ops._NO_PEERS, 0)
     if not args.skip_cublas:
         runs["cuBLAS per expert"] = lambda: grouped_gemm_per_expert(A, w2, C_lib, offsets_host)
     times = interleaved_ms(runs, args.warmup, args.iters)

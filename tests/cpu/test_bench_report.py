@@ -25,7 +25,8 @@ def synthetic_rows():
                 {"unfused": [3.2, 3.3, 3.4], "fused": [1.0, 1.1, 1.2]}]
     slowest = slowest_rank(per_rank)
     rows = [measured_row(PRESET, routing, path, slowest[path], work, RATES,
-                         per_rank_ms=[r[path] for r in per_rank], wrong=0 if path == "fused" else None)
+                         per_rank_ms=[r[path] for r in per_rank], wrong=0 if path == "fused" else None,
+                         host_waits=0 if path == "fused" else 1, mpi_calls=0 if path == "fused" else 2)
             for path in ("unfused", "fused")]
     rows.append(Row(PRESET, routing, "deepep"))  # not installed here: n/a
     return with_baselines(rows, unfused_path="unfused", library_path="deepep"), work
@@ -77,9 +78,10 @@ def test_table_layout():
     names, units, *data = report.table(rows)
     assert names.startswith("# ") and units.startswith("# ")
     for column in ("preset", "routing", "tokens/rank", "path", "time", "spread", "TFLOP/s",
-                   "NVLink", "floor", "x floor", "speed-up", "#wrong"):
+                   "NVLink", "floor", "x floor", "speed-up", "host", "MPI", "#wrong"):
         assert column in names
-    for unit in ("(us, median)", "(p10-p90 us)", "(GB)", "(GB/s)", "(us)", "(vs unfused)", "(vs library)"):
+    for unit in ("(us, median)", "(p10-p90 us)", "(GB)", "(GB/s)", "(us)", "(vs unfused)", "(vs library)", "(waits/call)",
+                 "(calls/call)"):
         assert unit in units
     assert names.endswith("#wrong")
     assert len(data) == 3
@@ -87,11 +89,11 @@ def test_table_layout():
     unfused, fused, deepep = (line.split() for line in data)
     assert unfused[:4] == ["dsv3-prefill/scaled", "balanced", "64", "unfused"]
     assert fused[3:6] == ["fused", "1500", "1420-1580"]       # us; p10-p90 of 1.4, 1.5, 1.6 ms
-    assert fused[-3:] == ["2.20", "-", "0"]                   # vs unfused, vs library, #wrong
-    assert unfused[-1] == "-"                                 # not compared with itself
+    assert fused[-5:] == ["2.20", "-", "0", "0", "0"]         # vs unfused, vs library, host waits, MPI, #wrong
+    assert unfused[-3:] == ["1", "2", "-"]                    # counted waits and MPI calls; no #wrong reference
     assert fused[7] == f"{work.nvlink.busiest / 1e9:#.4g}"
     assert deepep[:4] == ["dsv3-prefill/scaled", "balanced", "64", "deepep"]
-    assert deepep[4:] == ["n/a"] * 10
+    assert deepep[4:] == ["n/a"] * 12
 
     # Right-aligned numbers: every line's #wrong cell ends where the header's does.
     assert {len(line) for line in [names] + data} == {len(names)}

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from epserve.bench.presets import PRESETS
+from epserve.gpu_probe import gpu_count
 
 ROOT = Path(__file__).resolve().parents[2]
 # The paths the benchmark compares with a reference (#wrong): bitwise with the unfused output or
@@ -17,8 +18,14 @@ CHECKED_PATHS = ("fused", "library", "dispatch-direct", "layer-fused", "layer-li
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
 
-def test_quick_bench_of_every_preset(tmp_path):
-    cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "-n", "2", "--share-gpu", "--timeout", "500", "--",
+@pytest.mark.parametrize("share_gpu", [True, False], ids=["2-ranks-1-gpu", "2-ranks-2-gpus"])
+def test_quick_bench_of_every_preset(tmp_path, share_gpu):
+    """Sharing a GPU, the baselines pull over IPC; with a GPU each they run over NCCL (the
+    device-planned unfused path, the all-to-all row and the library layer's composition)."""
+    if not share_gpu and gpu_count() < 2:
+        pytest.skip("needs two GPUs: with one GPU per rank the NCCL paths run")
+    cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "-n", "2", *(["--share-gpu"] if share_gpu else []),
+           "--timeout", "500", "--",
            sys.executable, "-m", "mpi4py", "-m", "epserve.bench", "--quick", "--iters", "3", "--warmup", "1",
            "--tokens", "16,64", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=560, cwd=ROOT)
@@ -29,6 +36,14 @@ def test_quick_bench_of_every_preset(tmp_path):
     for name in PRESETS:
         for path in ("unfused", "gemm2", *CHECKED_PATHS):
             assert (name, path) in seen, (name, path)
+        if not share_gpu:
+            assert (name, "alltoall") in seen, name
+    # Every path that ran was counted: waits and MPI calls per call, never missing.
+    assert all(r["host_waits"] is not None and r["mpi_calls"] is not None
+               for r in run["rows"] if r["timing"] is not None)
+    epserve_paths = [r for r in run["rows"]
+                     if r["timing"] is not None and r["path"] in ("layer-fused", "dispatch-direct")]
+    assert epserve_paths and all(r["mpi_calls"] == 0 for r in epserve_paths)
     # Every point of a checked path was checked, and found right; None would mean unchecked.
     checked = [r for r in run["rows"] if r["path"] in CHECKED_PATHS]
     assert checked and all(r["wrong"] == 0 for r in checked), [(r["path"], r["wrong"]) for r in checked]
