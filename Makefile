@@ -85,7 +85,7 @@ test-gpu: install
 	$(RUN_ENV) $(PY) -m pytest -q -m gpu --fail-if-all-skipped tests
 
 run: install
-	@$(RUN_ENV) $(PY) -m epserve.gpu_probe || { echo "make run: stopped; run it on a machine with NVIDIA Hopper GPUs" >&2; exit 1; }
+	@$(RUN_ENV) $(PY) -m epserve.runtime.gpu_probe || { echo "make run: stopped; run it on a machine with NVIDIA Hopper GPUs" >&2; exit 1; }
 	$(RUN_ENV) $(PY) launch/run.py -n $(NP) -- $(PY) -m mpi4py -m epserve.main
 
 # Where the benchmark writes bench.json and its plots, and what else it is told.
@@ -93,7 +93,7 @@ BENCH_OUT ?= results/h200x$(NP)
 BENCH_ARGS ?=
 
 bench: install
-	@$(RUN_ENV) $(PY) -m epserve.gpu_probe || { echo "make bench: stopped; run it on a machine with NVIDIA Hopper GPUs" >&2; exit 1; }
+	@$(RUN_ENV) $(PY) -m epserve.runtime.gpu_probe || { echo "make bench: stopped; run it on a machine with NVIDIA Hopper GPUs" >&2; exit 1; }
 	$(RUN_ENV) $(PY) launch/run.py -n $(NP) --timeout 1800 -- $(PY) -m mpi4py -m epserve.bench --out $(BENCH_OUT) $(BENCH_ARGS)
 
 SEED ?= 1
@@ -104,11 +104,11 @@ CALLS ?= 1000
 SANITIZE_TOOLS ?= memcheck racecheck synccheck
 
 fuzz: install
-	@$(RUN_ENV) $(PY) -m epserve.gpu_probe || { echo "make fuzz: stopped; run it on a machine with NVIDIA Hopper GPUs" >&2; exit 1; }
+	@$(RUN_ENV) $(PY) -m epserve.runtime.gpu_probe || { echo "make fuzz: stopped; run it on a machine with NVIDIA Hopper GPUs" >&2; exit 1; }
 	$(RUN_ENV) $(PY) launch/run.py -n $(NP) --timeout 3600 -- $(PY) -m mpi4py launch/jobs/fuzz.py --seed $(SEED) --start 0 --count $(COUNT) --share-gpu-ok
 
 soak: install
-	@$(RUN_ENV) $(PY) -m epserve.gpu_probe || { echo "make soak: stopped; run it on a machine with NVIDIA Hopper GPUs" >&2; exit 1; }
+	@$(RUN_ENV) $(PY) -m epserve.runtime.gpu_probe || { echo "make soak: stopped; run it on a machine with NVIDIA Hopper GPUs" >&2; exit 1; }
 	$(RUN_ENV) $(PY) launch/run.py -n $(NP) --timeout 1800 -- $(PY) -m mpi4py launch/jobs/soak.py --calls $(CALLS)
 
 dead-peer: install

@@ -2,7 +2,7 @@
 
 The CUDA sources stay at the top of the repository (cuda/), where the project's layout puts
 them. A wheel has to carry them too, since kernels are compiled at run time: build_py copies
-cuda/ into the built package as epserve/_cuda, where epserve/build.py looks when epserve is
+cuda/ into the built package as epserve/_cuda, where epserve/runtime/build.py looks when epserve is
 installed rather than run from a checkout.
 """
 

@@ -11,11 +11,11 @@ __all__ = ["EPService", "MoEConfig"]
 def __getattr__(name):
     # Lazy, so that `import epserve.config` (CPU tools, the launcher's jobs) needs no CuPy.
     if name == "EPService":
-        from .service import EPService
+        from epserve.layer.service import EPService
 
         return EPService
     if name == "MoEConfig":
-        from .config import MoEConfig
+        from epserve.config import MoEConfig
 
         return MoEConfig
     raise AttributeError(f"module 'epserve' has no attribute {name!r}")

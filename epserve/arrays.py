@@ -13,7 +13,7 @@ import cupy
 import ml_dtypes
 import numpy as np
 
-from .errors import ConfigError
+from epserve.errors import ConfigError
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

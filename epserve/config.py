@@ -7,9 +7,9 @@ import dataclasses
 import math
 import numbers
 
+from epserve.dispatch.host_plan import MAX_SLOTS, MAX_TOKENS
 from epserve.errors import ConfigError, RankMismatchError
-from epserve.kernel_structs import MAX_EXPERTS, MAX_LOCAL_EXPERTS, MAX_PEERS
-from epserve.layout import MAX_SLOTS, MAX_TOKENS
+from epserve.runtime.kernel_structs import MAX_EXPERTS, MAX_LOCAL_EXPERTS, MAX_PEERS
 
 # The GEMMs tile the hidden and intermediate dimensions by this many elements.
 KERNEL_TILE = 64
@@ -120,7 +120,7 @@ def check_agreement(cfg, comm):
     """Raise RankMismatchError, on every rank alike, unless all ranks of the mpi4py
     communicator `comm` hold the same config and its world_size is comm's size.
     Collective: every rank of comm must call it."""
-    from epserve.comm import agree
+    from epserve.comm.mpi import agree
 
     agree(comm, "MoEConfig", cfg.to_dict())
     # Checked after agreement, so that every rank sees the same world_size here.

@@ -17,12 +17,12 @@ import time
 import cupy
 import numpy as np
 
-from . import comm as ep_comm
-from .arrays import BF16
-from .bench.events import median_ms
-from .bench.measure import bitwise_wrong
-from .config import MoEConfig
-from .testing import routing
+from epserve.arrays import BF16
+from epserve.bench.events import median_ms
+from epserve.bench.measure import bitwise_wrong
+from epserve.check.testing import routing
+from epserve.comm import mpi as ep_comm
+from epserve.config import MoEConfig
 
 
 def say(rank: int, text: str) -> None:
@@ -66,8 +66,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=2026)
     args = p.parse_args(argv)
 
-    from .gpu_probe import stopped_without_gpu
-    from .service import EPService  # after argument parsing: --help needs no GPU
+    from epserve.layer.service import EPService  # after argument parsing: --help needs no GPU
+    from epserve.runtime.gpu_probe import stopped_without_gpu
 
     if stopped_without_gpu("python -m epserve.main"):
         return 1
@@ -141,11 +141,7 @@ def _mpi_max():
 
 
 def _link_bytes(comm, idx, E, world, H):
-    from .bench.arithmetic import (
-        combine_nvlink_bytes,
-        count_routing,
-        dispatch_nvlink_bytes,
-    )
+    from epserve.bench.arithmetic import combine_nvlink_bytes, count_routing, dispatch_nvlink_bytes
 
     counts = count_routing(comm.allgather(idx), E)
     return {"dispatch": dispatch_nvlink_bytes(counts, H).busiest, "combine": combine_nvlink_bytes(counts, H).busiest}

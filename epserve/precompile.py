@@ -23,8 +23,8 @@ def main(argv=None) -> int:
     if args.cache_dir:
         os.environ["EPSERVE_CACHE_DIR"] = args.cache_dir
 
-    from . import build, kernels
-    from .errors import BuildError
+    from epserve.errors import BuildError
+    from epserve.runtime import build, kernels
 
     print(f"# kernel sources: {build.CUDA_ROOT}")
     print(f"# cache: {build.cache_dir()}")

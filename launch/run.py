@@ -16,7 +16,7 @@ What the launcher does:
   environment says: docs/design.md, "IPC lifetime"), PYTHONUNBUFFERED=1 (rank output arrives as it is
   printed, not at exit), PYTHONPATH with the repository root first (so `import epserve`
   works without installing it) and, with --share-gpu, EPSERVE_DEVICE=0 (every rank on GPU 0;
-  without it each rank takes local_rank % GPUs in epserve.comm.select_device);
+  without it each rank takes local_rank % GPUs in epserve.comm.mpi.select_device);
 - passes those and the caller's EPSERVE_*, NCCL_*, CUDA_* and CUPY_* variables to the ranks
   explicitly (`-x NAME` for Open MPI, `-genv NAME VALUE` for Hydra), since Open MPI forwards
   nothing it is not told to;

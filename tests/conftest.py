@@ -15,7 +15,7 @@ and only once per session; importing this file touches neither.
 
 import pytest
 
-from epserve.gpu_probe import gpu_unusable_reason
+from epserve.runtime.gpu_probe import gpu_unusable_reason
 
 GPU_SKIP_PREFIX = "no NVIDIA GPU visible"
 

@@ -432,7 +432,7 @@ extern "C" __global__ void epserve_dispatch_release(const DispatchConfig cfg) {
   }
 }
 
-// ---- The NCCL transport, planned on the device (epserve/nccl_dispatch.py) -------------------
+// ---- The NCCL transport, planned on the device (epserve/dispatch/nccl.py) -------------------
 // Same route kernels (count, rank) and the same layout and verdict as the direct dispatch;
 // only the movement differs. Every NCCL call has a size fixed when the service starts, so the
 // host needs no count and the path can be captured in a CUDA graph:

@@ -1,5 +1,5 @@
 // DispatchConfig: the direct-store dispatch's run-time state, passed by value.
-// epserve/dispatch_config.py packs it byte for byte; a CI test checks the offsets with the
+// epserve/runtime/kernel_structs.py packs it byte for byte; a CI test checks the offsets with the
 // compiler, as for PeerSendConfig.
 #pragma once
 #include "sinks/peer_send_config.cuh"
@@ -29,7 +29,7 @@ struct DispatchConfig {
 };
 
 // The code a rank puts in its count row when its own input failed its host checks
-// (epserve/direct_dispatch.py INPUT_REJECTED); kDispatchBadExpert when route found a bad id.
+// (epserve/dispatch/direct.py INPUT_REJECTED); kDispatchBadExpert when route found a bad id.
 #define EPSERVE_INPUT_REJECTED 100
 
 // Experts in all: route's publish keeps a count per expert in shared memory

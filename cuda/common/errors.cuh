@@ -1,6 +1,6 @@
 // Device-side error records and the bounded spin-wait. A wait that runs out records
 // (code, peer) once and returns false; the host turns the record into PeerTimeoutError or
-// EPServeError naming the rank and the stage (epserve/errors.py, epserve/signals.py).
+// EPServeError naming the rank and the stage (epserve/errors.py, epserve/comm/signals.py).
 #pragma once
 #include "common/ptx.cuh"
 

@@ -1,5 +1,5 @@
 // PeerSendConfig: the peer sink's run-time state, passed BY VALUE to the GEMM in both sink
-// builds so the kernel signature is one. epserve/kernel_structs.py packs it byte for byte; a
+// builds so the kernel signature is one. epserve/runtime/kernel_structs.py packs it byte for byte; a
 // test compiles static_asserts of those offsets against this definition.
 #pragma once
 #include "common/types.cuh"

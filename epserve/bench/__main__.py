@@ -23,15 +23,15 @@ from pathlib import Path
 import cupy
 import numpy as np
 
-from .. import comm as ep_comm
-from ..arrays import BF16
-from ..config import MoEConfig
-from ..gpu_probe import stopped_without_gpu
-from . import limits, measure, plots, presets, report
-from .host_calls import counting_comm
-from .progress import progress
-from .results import Run, measured_row, with_baselines
-from .timing import slowest_rank
+from epserve.arrays import BF16
+from epserve.bench import limits, measure, plots, presets, report
+from epserve.bench.host_calls import counting_comm
+from epserve.bench.progress import progress
+from epserve.bench.results import Run, measured_row, with_baselines
+from epserve.bench.timing import slowest_rank
+from epserve.comm import mpi as ep_comm
+from epserve.config import MoEConfig
+from epserve.runtime.gpu_probe import stopped_without_gpu
 
 # --quick: every preset at this small shape (num_experts and top_k capped), to check that every
 # path runs, not to measure.
@@ -109,7 +109,7 @@ def _nccl_version():
 
 
 def main(argv=None) -> int:
-    from ..service import EPService
+    from epserve.layer.service import EPService
 
     args = parse_args(argv)
     if stopped_without_gpu("python -m epserve.bench"):

@@ -20,9 +20,9 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from ..arrays import BF16
-from ..nccl_transport import exchange_rows
-from .cublas import grouped_gemm_per_expert
+from epserve.arrays import BF16
+from epserve.bench.cublas import grouped_gemm_per_expert
+from epserve.comm.nccl import exchange_rows
 
 
 class LibraryLayer:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from .. import ops
-from ..arrays import BF16
-from .arithmetic import Rates
-from .cublas import gemm_nt
-from .events import median_ms
+from epserve.arrays import BF16
+from epserve.bench.arithmetic import Rates
+from epserve.bench.cublas import gemm_nt
+from epserve.bench.events import median_ms
+from epserve.comm import row_moves
 
 
 def gemm_rate(n: int = 8192) -> float:
@@ -42,7 +42,7 @@ def peer_store_bandwidth(comm, peer_buffer, nbytes: int) -> float | None:
     dst = peer_buffer.peer_ptr((rank + 1) % world)
     rows = nbytes // 4096
     comm.Barrier()
-    ms = median_ms(lambda: ops.copy_rows(dst, src, None, None, rows, 4096))
+    ms = median_ms(lambda: row_moves.copy_rows(dst, src, None, None, rows, 4096))
     cupy.cuda.runtime.deviceSynchronize()
     comm.Barrier()  # nobody leaves while a peer still stores into its buffer
     return nbytes / (ms / 1e3)

@@ -38,14 +38,14 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
-from .. import ops
-from ..arrays import BF16
-from ..nccl_transport import exchange_rows
-from . import arithmetic
-from .cublas import grouped_gemm_per_expert
-from .events import samples_ms
-from .host_calls import counting
-from .library_layer import LibraryLayer
+from epserve.arrays import BF16
+from epserve.bench import arithmetic
+from epserve.bench.cublas import grouped_gemm_per_expert
+from epserve.bench.events import samples_ms
+from epserve.bench.host_calls import counting
+from epserve.bench.library_layer import LibraryLayer
+from epserve.comm.nccl import exchange_rows
+from epserve.ffn import gemm
 
 PATHS = ("gemm1", "gemm2", "fused", "unfused", "library", "dispatch-direct", "dispatch-nccl", "alltoall",
          "layer-fused", "layer-unfused", "layer-library")
@@ -126,7 +126,7 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
     nccl_path = svc.nccl_path  # the NCCL path planned on the device, None where ranks share a GPU
     M = direct.num_rows
     act, act_again = cupy.empty((M, I), BF16), cupy.empty((M, I), BF16)
-    ops.gemm1_swiglu(direct.rows, w13, act, direct.expert_offsets, w13.shape[0], I, H)
+    gemm.gemm1_swiglu(direct.rows, w13, act, direct.expert_offsets, w13.shape[0], I, H)
     comb = svc.combiner
     rows_src = svc._send_plan(direct)
     offsets_host = plan.host.expert_offsets
@@ -136,7 +136,7 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
             for name in ("fused", "unfused", "library", "layer-fused", "layer-unfused", "layer-library")}
 
     def unfused():
-        ops.grouped_gemm("null", act, w2, C, direct.expert_offsets, w2.shape[0], H, I)
+        gemm.grouped_gemm("null", act, w2, C, direct.expert_offsets, w2.shape[0], H, I)
         if nccl_path is not None:  # its plan is the last NCCL dispatch's: these same inputs
             comb.unfused_nccl(C, nccl_path, idx, w, out=outs["unfused"])
         else:
@@ -160,7 +160,7 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
         comb.unfused(C_lib, p, idx, w, out=outs["layer-library"])
 
     runs = {
-        "gemm1": lambda: ops.gemm1_swiglu(direct.rows, w13, act_again, direct.expert_offsets, w13.shape[0], I, H),
+        "gemm1": lambda: gemm.gemm1_swiglu(direct.rows, w13, act_again, direct.expert_offsets, w13.shape[0], I, H),
         "gemm2": lambda: comb.gemm_only(act, w2, rows_src, I),
         "fused": lambda: comb.fused(act, w2, rows_src, idx, w, I, out=outs["fused"]),
         "unfused": unfused,

@@ -13,8 +13,8 @@ import numbers
 
 import numpy as np
 
+from epserve.check.testing import routing as draw_routing
 from epserve.errors import ConfigError
-from epserve.testing import routing as draw_routing
 
 
 @dataclasses.dataclass(frozen=True)

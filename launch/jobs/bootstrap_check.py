@@ -22,7 +22,7 @@ import time
 
 from job_report import emit  # a sibling of this script
 
-from epserve.comm import checked, local_rank, world
+from epserve.comm.mpi import checked, local_rank, world
 from epserve.config import MoEConfig, check_agreement
 from epserve.errors import RankFailedError, RankMismatchError
 

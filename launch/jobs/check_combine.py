@@ -21,17 +21,17 @@ import cupy
 import numpy as np
 from job_report import report  # a sibling of this script
 
-from epserve import comm as ep_comm
-from epserve import ops
-from epserve.combine import Combiner
-from epserve.device_plan import DevicePlan
-from epserve.dispatch import Dispatcher
-from epserve.layout import plan_dispatch
-from epserve.nccl_transport import gpus_shared, make_nccl
-from epserve.peers import PeerGroup
-from epserve.reference import reference_layer, rel_error
-from epserve.signals import SignalBlock
-from epserve.testing import BF16, bf16_bits, layer_inputs
+from epserve.check.reference import reference_layer, rel_error
+from epserve.check.testing import BF16, bf16_bits, layer_inputs
+from epserve.combine.combiner import Combiner
+from epserve.comm import mpi as ep_comm
+from epserve.comm.nccl import gpus_shared, make_nccl
+from epserve.comm.peers import PeerGroup
+from epserve.comm.signals import SignalBlock
+from epserve.dispatch.device_plan import DevicePlan
+from epserve.dispatch.host import Dispatcher
+from epserve.dispatch.host_plan import plan_dispatch
+from epserve.ffn import gemm
 
 POISON = 0xFFFF  # a bf16 NaN: no finite GEMM result has these bits
 
@@ -87,7 +87,7 @@ class Case:
         M = self.plan.num_recv_rows
         a = self.dispatcher.dispatch(self.x, self.plan)
         act = cupy.empty((M, self.I), BF16)
-        ops.gemm1_swiglu(a, self.w13, act, self.plan.expert_offsets, self.w13.shape[0], self.I, self.H)
+        gemm.gemm1_swiglu(a, self.w13, act, self.plan.expert_offsets, self.w13.shape[0], self.I, self.H)
         return a, act
 
     def recv_problems(self, label):
@@ -114,7 +114,7 @@ class Case:
         # Unfused: GEMM 2 into C, transport, reduce.
         self.poison()
         C = cupy.empty((M, self.H), BF16)
-        ops.grouped_gemm("null", act, self.w2, C, self.plan.expert_offsets, self.w2.shape[0], self.H, self.I)
+        gemm.grouped_gemm("null", act, self.w2, C, self.plan.expert_offsets, self.w2.shape[0], self.H, self.I)
         out_unfused = self.combiner.unfused(C, self.plan, self.idx, self.w)
         self.combiner.signals.raise_if_error(self.rank)
         self.sync_barrier()

@@ -20,10 +20,10 @@ import numpy as np
 from job_report import report  # a sibling of this script
 
 from epserve import EPService, MoEConfig
-from epserve import comm as ep_comm
+from epserve.check.reference import reference_layer, rel_error
+from epserve.check.testing import bf16_bits, layer_inputs
+from epserve.comm import mpi as ep_comm
 from epserve.errors import EPServeError
-from epserve.reference import reference_layer, rel_error
-from epserve.testing import bf16_bits, layer_inputs
 
 H, I, E, K = 256, 128, 8, 4
 TOKENS = (48, 33)  # per rank: ranks differ, as in serving

@@ -23,11 +23,11 @@ import numpy as np
 from job_report import report  # a sibling of this script
 
 from epserve import EPService, MoEConfig
-from epserve import comm as ep_comm
+from epserve.check.reference import reference_layer, rel_error
+from epserve.check.testing import BF16, bf16_bits, layer_inputs
+from epserve.comm import mpi as ep_comm
+from epserve.dispatch.host_plan import count_recv_rows
 from epserve.errors import EPServeError
-from epserve.layout import count_recv_rows
-from epserve.reference import reference_layer, rel_error
-from epserve.testing import BF16, bf16_bits, layer_inputs
 
 # name, H, I, E, k, token counts of successive calls (rank 0, rank 1), routing options
 SHAPES = [

@@ -38,9 +38,9 @@ import cupy
 from job_report import emit  # a sibling of this script
 
 from epserve import EPService, MoEConfig
-from epserve import comm as ep_comm
-from epserve.layout import count_recv_rows
-from epserve.testing import layer_inputs
+from epserve.check.testing import layer_inputs
+from epserve.comm import mpi as ep_comm
+from epserve.dispatch.host_plan import count_recv_rows
 
 MODES = ("killed", "stuck")
 DEAD_RANK = 1

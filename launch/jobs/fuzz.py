@@ -1,4 +1,4 @@
-"""Fuzz the layer over random cases (epserve/fuzz.py), run under the launcher:
+"""Fuzz the layer over random cases (epserve/check/fuzz.py), run under the launcher:
 
     python launch/run.py -n 2 [--share-gpu] -- python -m mpi4py launch/jobs/fuzz.py \\
         --seed S --start I --count N [--share-gpu-ok]
@@ -31,12 +31,12 @@ import numpy as np
 from job_report import report  # a sibling of this script
 
 from epserve import EPService
-from epserve import comm as ep_comm
+from epserve.check.fuzz import WAIT_TIMEOUT_S, generate
+from epserve.check.reference import reference_layer, rel_error
+from epserve.check.testing import BF16, bf16_bits
+from epserve.comm import mpi as ep_comm
+from epserve.comm.nccl import gpus_shared
 from epserve.errors import EPServeError
-from epserve.fuzz import WAIT_TIMEOUT_S, generate
-from epserve.nccl_transport import gpus_shared
-from epserve.reference import reference_layer, rel_error
-from epserve.testing import BF16, bf16_bits
 
 # Services kept open for reuse by later cases of the same config; each holds symmetric
 # buffers of up to tens of MiB, so the least recently used one is closed past this count.
@@ -49,7 +49,7 @@ HUNG_CASE_S = 3 * WAIT_TIMEOUT_S
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="launch/jobs/fuzz.py", description="Fuzz the layer over the random cases "
-                                "of epserve/fuzz.py.")
+                                "of epserve/check/fuzz.py.")
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--start", type=int, default=0, help="index of the first case")
     p.add_argument("--count", type=int, required=True, help="number of cases")

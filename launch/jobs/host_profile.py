@@ -22,8 +22,8 @@ import cupy
 import numpy as np
 
 from epserve import EPService, MoEConfig
-from epserve import comm as ep_comm
-from epserve.testing import layer_inputs
+from epserve.check.testing import layer_inputs
+from epserve.comm import mpi as ep_comm
 
 
 def gpu_ms(fn, iters: int) -> float:
@@ -72,7 +72,7 @@ def host_ms(fn, calls: int) -> float:
 def launch_floor_us() -> tuple[float, float]:
     """Host time of one bare CuPy launch (one pre-wrapped argument; fourteen), for scale: a
     forward is about a dozen launches."""
-    from epserve.kernel_structs import i32, u64
+    from epserve.runtime.kernel_structs import i32, u64
 
     one = (u64(0),)
     many = (u64(0),) + (i32(1),) * 13

@@ -35,9 +35,9 @@ import numpy as np
 from job_report import report  # a sibling of this script
 
 from epserve import EPService, MoEConfig
-from epserve import comm as ep_comm
-from epserve.reference import reference_layer, rel_error
-from epserve.testing import layer_inputs
+from epserve.check.reference import reference_layer, rel_error
+from epserve.check.testing import layer_inputs
+from epserve.comm import mpi as ep_comm
 
 # Two 128-wide column tiles in each GEMM, and experts of more than one 128-row tile.
 E_LOC, TOP_K, HIDDEN, INTERMEDIATE = 2, 2, 256, 128

@@ -10,7 +10,7 @@ prints one line `rank R: <ExceptionClass>: <message>`."""
 import sys
 
 from epserve import EPService, MoEConfig
-from epserve.comm import world
+from epserve.comm.mpi import world
 from epserve.errors import EPServeError
 
 

@@ -27,9 +27,9 @@ import numpy as np
 from job_report import report  # a sibling of this script
 
 from epserve import EPService, MoEConfig
-from epserve import comm as ep_comm
-from epserve.reference import reference_layer, rel_error
-from epserve.testing import layer_inputs
+from epserve.check.reference import reference_layer, rel_error
+from epserve.check.testing import layer_inputs
+from epserve.comm import mpi as ep_comm
 
 HIDDEN, INTERMEDIATE, EXPERTS_PER_RANK, TOP_K = 1024, 512, 4, 4
 # Rank r of input j has TOKEN_COUNTS[(j + r) % len] tokens: each input gives the ranks

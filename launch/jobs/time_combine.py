@@ -15,16 +15,16 @@ import cupy
 import numpy as np
 from mpi4py import MPI
 
-from epserve import comm as ep_comm
-from epserve import ops
 from epserve.bench.events import median_ms
-from epserve.combine import Combiner
-from epserve.device_plan import DevicePlan
-from epserve.layout import plan_dispatch
-from epserve.nccl_transport import gpus_shared, make_nccl
-from epserve.peers import PeerGroup
-from epserve.signals import SignalBlock
-from epserve.testing import BF16, routing
+from epserve.check.testing import BF16, routing
+from epserve.combine.combiner import Combiner
+from epserve.comm import mpi as ep_comm
+from epserve.comm.nccl import gpus_shared, make_nccl
+from epserve.comm.peers import PeerGroup
+from epserve.comm.signals import SignalBlock
+from epserve.dispatch.device_plan import DevicePlan
+from epserve.dispatch.host_plan import plan_dispatch
+from epserve.ffn import gemm
 
 
 def main():
@@ -64,7 +64,7 @@ def main():
     out_u = cupy.empty((T, H), BF16)
 
     def gemm_null():
-        ops.grouped_gemm("null", act, w2, C, plan.expert_offsets, E // world, H, I)
+        gemm.grouped_gemm("null", act, w2, C, plan.expert_offsets, E // world, H, I)
 
     def unfused():
         gemm_null()

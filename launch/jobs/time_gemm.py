@@ -25,12 +25,13 @@ from pathlib import Path
 import cupy
 import numpy as np
 
-from epserve import build, kernels, ops, tma
 from epserve.arrays import BF16
 from epserve.bench import arithmetic, presets
 from epserve.bench.cublas import gemm_nt, grouped_gemm_per_expert
 from epserve.bench.events import median_ms, samples_ms
-from epserve.kernel_structs import PEER_SEND_CONFIG
+from epserve.ffn import gemm
+from epserve.runtime import build, kernels
+from epserve.runtime.kernel_structs import PEER_SEND_CONFIG
 
 # Experimental builds of the wgmma GEMM (null sink): name -> extra defines.
 VARIANTS = {
@@ -95,7 +96,7 @@ def baseline_variants(cuda_dir):
         for name, like in names.items():
             kernels.VARIANTS[name] = kernels.VARIANTS[like]
             # Everything ops caches per variant, made now, while the other tree is the root.
-            ops._wgmma_kernel(name, device)
+            gemm._wgmma_kernel(name, device)
     finally:
         build.CUDA_ROOT = root
     return tuple(names)
@@ -148,24 +149,24 @@ def gemm1(rs, spec, offsets_host, w13_host, H, I, args):
     wbytes = int((np.diff(offsets_host) > 0).sum()) * 2 * I * H * 2
 
     def two_kernels():
-        ops.grouped_gemm("null", A, w13, h, offsets, E, 2 * I, H)
-        ops.swiglu(h, act2, M, I)
+        gemm.grouped_gemm("null", A, w13, h, offsets, E, 2 * I, H)
+        gemm.swiglu(h, act2, M, I)
 
-    runs = {"wgmma + SwiGLU epilogue": lambda: ops.gemm1_swiglu(A, w13, act, offsets, E, I, H),
+    runs = {"wgmma + SwiGLU epilogue": lambda: gemm.gemm1_swiglu(A, w13, act, offsets, E, I, H),
             "wgmma [M, 2I] + SwiGLU kernel": two_kernels,
-            "wgmma [M, 2I] alone": lambda: ops.grouped_gemm("null", A, w13, h, offsets, E, 2 * I, H)}
+            "wgmma [M, 2I] alone": lambda: gemm.grouped_gemm("null", A, w13, h, offsets, E, 2 * I, H)}
     if args.variants:
         for name, (base, _) in VARIANTS.items():
             if base == "gemm1_wgmma_swiglu":
-                runs[name] = lambda name=name: ops._wgmma_gemm(name, A, w13, E * 2 * I, act2, offsets, E, I, H,
-                                                               ops._NO_PEERS, 0)
+                runs[name] = lambda name=name: gemm._wgmma_gemm(name, A, w13, E * 2 * I, act2, offsets, E, I, H,
+                                                               gemm._NO_PEERS, 0)
     if args.baseline:
-        runs["baseline + SwiGLU epilogue"] = lambda: ops._wgmma_gemm("baseline-gemm1", A, w13, E * 2 * I, act2, offsets,
-                                                                     E, I, H, ops._NO_PEERS, 0)
+        runs["baseline + SwiGLU epilogue"] = lambda: gemm._wgmma_gemm("baseline-gemm1", A, w13, E * 2 * I, act2, offsets,
+                                                                     E, I, H, gemm._NO_PEERS, 0)
     if not args.skip_cublas:
         runs["cuBLAS per expert [M, 2I]"] = lambda: grouped_gemm_per_expert(A, w13, h, offsets_host)
     times = interleaved_ms(runs, args.warmup, args.iters)
-    ops.gemm1_swiglu(A, w13, act, offsets, E, I, H)
+    gemm.gemm1_swiglu(A, w13, act, offsets, E, I, H)
     two_kernels()
     same = "bitwise" if bool((act.view(np.uint16) == act2.view(np.uint16)).all()) else "DIFFER"
     for path, ms in times.items():
@@ -180,21 +181,21 @@ def gemm2(rs, spec, offsets_host, w2_host, H, I, args):
     flops = arithmetic.gemm2_flops(M, H, I)
     wbytes = int((np.diff(offsets_host) > 0).sum()) * H * I * 2
     gated_off = np.zeros(1, PEER_SEND_CONFIG)
-    runs = {"wgmma (null sink)": lambda: ops.grouped_gemm("null", A, w2, C, offsets, E, H, I),
-            "wgmma (peer build, gated off)": lambda: ops.grouped_gemm("peer", A, w2, None, offsets, E, H, I, gated_off, -1)}
+    runs = {"wgmma (null sink)": lambda: gemm.grouped_gemm("null", A, w2, C, offsets, E, H, I),
+            "wgmma (peer build, gated off)": lambda: gemm.grouped_gemm("peer", A, w2, None, offsets, E, H, I, gated_off, -1)}
     if args.variants:
         for name, (base, _) in VARIANTS.items():
             if base == "gemm_wgmma_null":
-                runs[name] = lambda name=name: ops._wgmma_gemm(name, A, w2, E * H, C, offsets, E, H, I, ops._NO_PEERS, 0)
+                runs[name] = lambda name=name: gemm._wgmma_gemm(name, A, w2, E * H, C, offsets, E, H, I, gemm._NO_PEERS, 0)
     if args.baseline:
-        runs["baseline (null sink)"] = lambda: ops._wgmma_gemm("baseline-gemm2", A, w2, E * H, C, offsets, E, H, I,
-                                                               ops._NO_PEERS, 0)
+        runs["baseline (null sink)"] = lambda: gemm._wgmma_gemm("baseline-gemm2", A, w2, E * H, C, offsets, E, H, I,
+                                                               gemm._NO_PEERS, 0)
     if not args.skip_cublas:
         runs["cuBLAS per expert"] = lambda: grouped_gemm_per_expert(A, w2, C_lib, offsets_host)
     times = interleaved_ms(runs, args.warmup, args.iters)
     diff = ""
     if not args.skip_cublas:
-        ops.grouped_gemm("null", A, w2, C, offsets, E, H, I)
+        gemm.grouped_gemm("null", A, w2, C, offsets, E, H, I)
         grouped_gemm_per_expert(A, w2, C_lib, offsets_host)
         diff = max_diff(C, C_lib)
     for path, ms in times.items():

@@ -20,10 +20,10 @@ import cupy
 import numpy as np
 
 from epserve import EPService, MoEConfig
-from epserve import comm as ep_comm
 from epserve.arrays import BF16
 from epserve.bench import presets
-from epserve.testing import bf16_bits
+from epserve.check.testing import bf16_bits
+from epserve.comm import mpi as ep_comm
 
 
 def per_call_ms(comm, fn, iters: int) -> float:

@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-from epserve import build, kernels
 from epserve.errors import BuildError
+from epserve.runtime import build, kernels
 
 
 @pytest.fixture

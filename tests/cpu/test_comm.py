@@ -1,4 +1,4 @@
-"""epserve.comm's collective logic, with fake communicators: one thread per rank, and an
+"""epserve.comm.mpi's collective logic, with fake communicators: one thread per rank, and an
 allgather that really waits for every rank, so a rank that skipped the collective would show
 up as a hang (bounded by a barrier timeout) rather than pass by accident."""
 
@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from epserve import comm as epcomm
+from epserve.comm import mpi as epcomm
 from epserve.errors import EPServeError, RankFailedError, RankMismatchError
 
 BARRIER_TIMEOUT_S = 10
@@ -27,7 +27,7 @@ class FakeWorld:
 
 
 class FakeComm:
-    """The slice of mpi4py.MPI.Comm that epserve.comm uses."""
+    """The slice of mpi4py.MPI.Comm that epserve.comm.mpi uses."""
 
     def __init__(self, world, rank):
         self.world = world
@@ -345,7 +345,7 @@ def test_importing_comm_imports_neither_mpi_nor_cupy():
     import subprocess
 
     code = (
-        "import sys, epserve.comm; "
+        "import sys, epserve.comm.mpi; "
         "bad = [m for m in ('mpi4py.MPI', 'cupy') if m in sys.modules]; "
         "sys.exit(f'imported at import time: {bad}' if bad else 0)"
     )

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from epserve.gpu_probe import gpu_unusable_reason
+from epserve.runtime.gpu_probe import gpu_unusable_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,7 +85,7 @@ def test_make_gpu_targets_refuse_to_pass_on_skips():
 
 
 def test_missing_mpi_library_says_what_to_install(monkeypatch):
-    from epserve import comm
+    from epserve.comm import mpi as comm
     from epserve.errors import EPServeError
 
     def no_library(name):

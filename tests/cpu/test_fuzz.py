@@ -1,4 +1,4 @@
-"""The fuzz case generator (epserve/fuzz.py) and the CPU side of its job (launch/jobs/fuzz.py
+"""The fuzz case generator (epserve/check/fuzz.py) and the CPU side of its job (launch/jobs/fuzz.py
 --list): deterministic, covering every edge it promises, within its size bounds, with
 inputs the layer and the reference accept. No GPU, no MPI."""
 
@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from epserve import fuzz
+from epserve.check import fuzz
+from epserve.check.fuzz import FuzzCase, generate
+from epserve.check.reference import reference_layer
+from epserve.check.testing import BF16
 from epserve.config import KERNEL_TILE, MoEConfig
-from epserve.fuzz import FuzzCase, generate
-from epserve.layout import count_recv_rows
-from epserve.reference import reference_layer
-from epserve.testing import BF16
+from epserve.dispatch.host_plan import count_recv_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "launch" / "jobs" / "fuzz.py"

@@ -7,8 +7,8 @@ import re
 import numpy as np
 import pytest
 
-from epserve import build
-from epserve.kernel_structs import (
+from epserve.runtime import build
+from epserve.runtime.kernel_structs import (
     MAX_EXPERTS,
     MAX_LOCAL_EXPERTS,
     MAX_PEERS,
@@ -119,7 +119,7 @@ def test_launch_args_point_at_the_packed_bytes():
 
     from cupy.cuda.function import CNumpyArray, CPointer
 
-    from epserve.kernel_structs import i32, launch_arg, u64
+    from epserve.runtime.kernel_structs import i32, launch_arg, u64
 
     cfg = pack_peer_send_config(recv=[0x1000], arrive=[0x3000], ready=0x5000, src_info=0x6000, error=0x7000,
                                 status=0x8000, timeout_ns=9, rank=0, world=1, top_k=8, hidden=2048, max_tokens=64)

@@ -5,13 +5,8 @@ import os
 import numpy as np
 import pytest
 
+from epserve.dispatch.host_plan import count_recv_rows, pack_src_info, plan_dispatch, unpack_src_info
 from epserve.errors import ConfigError
-from epserve.layout import (
-    count_recv_rows,
-    pack_src_info,
-    plan_dispatch,
-    unpack_src_info,
-)
 
 
 def fresh_rng():
@@ -211,7 +206,7 @@ def test_bad_world_is_refused(rank, num_experts, world_size, count, field):
 
 
 def test_recv_capacity_check_names_every_rank_over_it():
-    from epserve.layout import check_recv_capacity
+    from epserve.dispatch.host_plan import check_recv_capacity
 
     check_recv_capacity([5, 9, 3], 9)  # at capacity is fine
     with pytest.raises(ConfigError, match=r"rank 1 would receive 9 rows, rank 3 would receive 12 rows, more than "

@@ -1,13 +1,13 @@
-"""The NCCL transport's device planning (cuda/comm/dispatch.cu, epserve/nccl_dispatch.py),
+"""The NCCL transport's device planning (cuda/comm/dispatch.cu, epserve/dispatch/nccl.py),
 mirrored in NumPy: route, the allgathered count rows, layout, pack, expand and the combine's
-return positions give the host plan's rows (epserve/layout.py) and bring every row home to
+return positions give the host plan's rows (epserve/dispatch/host_plan.py) and bring every row home to
 its own slot, within the fixed block capacities."""
 
 import numpy as np
 import pytest
 
-from epserve.layout import plan_dispatch, unpack_src_info
-from epserve.nccl_dispatch import block_positions, combine_capacity, expected_dedup_fraction, padding_factors
+from epserve.dispatch.host_plan import plan_dispatch, unpack_src_info
+from epserve.dispatch.nccl import block_positions, combine_capacity, expected_dedup_fraction, padding_factors
 
 
 def peer_block(d, rank):
@@ -136,12 +136,12 @@ def test_every_kernel_the_nccl_path_launches_is_in_the_dispatch_module(tmp_path,
     import pathlib
     import re
 
-    from epserve import build, kernels
+    from epserve.runtime import build, kernels
 
     monkeypatch.setenv("EPSERVE_CACHE_DIR", str(tmp_path / "cache"))
     source, defines = kernels.VARIANTS["dispatch"]
     ptx = build.compile_source(source, defines).ptx.read_text()
-    here = pathlib.Path(__file__).resolve().parents[2] / "epserve" / "nccl_dispatch.py"
+    here = pathlib.Path(__file__).resolve().parents[2] / "epserve" / "dispatch" / "nccl.py"
     names = set(re.findall(r'"(epserve_\w+)"', here.read_text()))
     assert {"epserve_nccl_dispatch_publish", "epserve_nccl_combine_unpack"} <= names
     for name in names:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from epserve import build, kernels
+from epserve.runtime import build, kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,7 @@ def test_installed_package_compiles_from_its_own_copy(wheel, tmp_path):
     zipfile.ZipFile(wheel).extractall(site)
     # Where cuda-python's `cuda` lives, beside epserve (no __init__: the real one still imports).
     (site / "cuda" / "bindings").mkdir(parents=True)
-    probe = ("import epserve.build as b; a = b.compile_source('ffn/swiglu.cu'); "
+    probe = ("import epserve.runtime.build as b; a = b.compile_source('ffn/swiglu.cu'); "
              "print(b.CUDA_ROOT); print('.target sm_90a' in a.ptx.read_text())")
     env = {**os.environ, "PYTHONPATH": str(site), "EPSERVE_CACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, env=env,

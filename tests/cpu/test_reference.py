@@ -6,8 +6,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from epserve.layout import unpack_src_info
-from epserve.reference import dense_layer, reference_layer, rel_error, silu
+from epserve.check.reference import dense_layer, reference_layer, rel_error, silu
+from epserve.dispatch.host_plan import unpack_src_info
 
 
 def fresh_rng():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from epserve.bench.presets import PRESETS
-from epserve.gpu_probe import gpu_count
+from epserve.runtime.gpu_probe import gpu_count
 
 ROOT = Path(__file__).resolve().parents[2]
 # The paths the benchmark compares with a reference (#wrong): bitwise with the unfused output or

@@ -5,8 +5,8 @@ import re
 import numpy as np
 import pytest
 
-from epserve import build, kernels
-from epserve.testing import BF16
+from epserve.check.testing import BF16
+from epserve.runtime import build, kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -32,7 +32,7 @@ def grouped_reference(A, B, offsets):
 def test_grouped_gemm_matches_float64(rows_per_expert, N, K, impl):
     import cupy
 
-    from epserve import ops
+    from epserve.ffn import gemm
 
     rng = np.random.default_rng(sum(rows_per_expert) + N + K)
     E, M = len(rows_per_expert), sum(rows_per_expert)
@@ -40,7 +40,7 @@ def test_grouped_gemm_matches_float64(rows_per_expert, N, K, impl):
     A = rng.standard_normal((M, K), np.float32).astype(BF16)
     B = (rng.standard_normal((E, N, K), np.float32) / np.sqrt(K)).astype(BF16)
     C = cupy.full((M + 7, N), np.nan, BF16)  # poisoned, with guard rows past M
-    ops.grouped_gemm("null", cupy.asarray(A), cupy.asarray(B), C, cupy.asarray(offsets), E, N, K, impl=impl)
+    gemm.grouped_gemm("null", cupy.asarray(A), cupy.asarray(B), C, cupy.asarray(offsets), E, N, K, impl=impl)
     got = cupy.asnumpy(C).astype(np.float64)
     assert np.isnan(got[M:]).all(), "the GEMM wrote past its last row"
     ref = grouped_reference(A, B, offsets)
@@ -51,21 +51,21 @@ def test_grouped_gemm_matches_float64(rows_per_expert, N, K, impl):
         # bf16 rounding of the output alone bounds each element's error
         assert np.allclose(got[:M], ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
     again = cupy.full((M + 7, N), np.nan, BF16)
-    ops.grouped_gemm("null", cupy.asarray(A), cupy.asarray(B), again, cupy.asarray(offsets), E, N, K, impl=impl)
+    gemm.grouped_gemm("null", cupy.asarray(A), cupy.asarray(B), again, cupy.asarray(offsets), E, N, K, impl=impl)
     assert np.array_equal(cupy.asnumpy(again).view(np.uint16)[:M], cupy.asnumpy(C).view(np.uint16)[:M])
 
 
 def test_swiglu_matches_float64():
     import cupy
 
-    from epserve import ops
-    from epserve.reference import silu
+    from epserve.check.reference import silu
+    from epserve.ffn import gemm
 
     rng = np.random.default_rng(3)
     M, I = 333, 192
     h = (rng.standard_normal((M, 2 * I), np.float32) * 3).astype(BF16)
     act = cupy.full((M, I), np.nan, BF16)
-    ops.swiglu(cupy.asarray(h), act, M, I)
+    gemm.swiglu(cupy.asarray(h), act, M, I)
     h64 = h.astype(np.float64)
     ref = silu(h64[:, :I]) * h64[:, I:]
     got = cupy.asnumpy(act).astype(np.float64)
@@ -75,16 +75,16 @@ def test_swiglu_matches_float64():
 def test_copy_rows_gathers_and_scatters():
     import cupy
 
-    from epserve import ops
+    from epserve.comm import row_moves
 
     rng = np.random.default_rng(4)
     src = rng.integers(0, 2**16, (50, 96), dtype=np.uint16)
     perm = rng.permutation(50).astype(np.int32)
     dst = cupy.zeros((50, 96), np.uint16)
-    ops.copy_rows(dst, cupy.asarray(src), None, cupy.asarray(perm), 50, 192)
+    row_moves.copy_rows(dst, cupy.asarray(src), None, cupy.asarray(perm), 50, 192)
     assert np.array_equal(cupy.asnumpy(dst), src[perm])
     back = cupy.zeros((50, 96), np.uint16)
-    ops.copy_rows(back, dst, cupy.asarray(perm), None, 50, 192)
+    row_moves.copy_rows(back, dst, cupy.asarray(perm), None, 50, 192)
     assert np.array_equal(cupy.asnumpy(back), src)
 
 

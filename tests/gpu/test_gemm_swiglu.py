@@ -6,7 +6,7 @@ default build and float64 NumPy."""
 import numpy as np
 import pytest
 
-from epserve.testing import BF16, bf16_bits
+from epserve.check.testing import BF16, bf16_bits
 
 pytestmark = pytest.mark.gpu
 
@@ -20,7 +20,7 @@ def _offsets(rows_per_expert):
 
 
 def _swiglu64(h, intermediate):
-    from epserve.reference import silu
+    from epserve.check.reference import silu
 
     return silu(h[:, :intermediate]) * h[:, intermediate:]
 
@@ -35,7 +35,7 @@ def _swiglu64(h, intermediate):
 def test_gemm1_swiglu_equals_gemm1_then_swiglu(rows_per_expert, I, H):
     import cupy
 
-    from epserve import ops
+    from epserve.ffn import gemm
 
     rng = np.random.default_rng(sum(rows_per_expert) + I + H)
     E, M = len(rows_per_expert), sum(rows_per_expert)
@@ -44,16 +44,16 @@ def test_gemm1_swiglu_equals_gemm1_then_swiglu(rows_per_expert, I, H):
     w13 = cupy.asarray((rng.standard_normal((E, 2 * I, H), np.float32) * (2 / np.sqrt(H))).astype(BF16))
 
     act = cupy.full((M + 5, I), np.nan, BF16)  # poisoned, with guard rows past M
-    ops.gemm1_swiglu(A, w13, act, offsets, E, I, H, impl="wgmma")
+    gemm.gemm1_swiglu(A, w13, act, offsets, E, I, H, impl="wgmma")
     got = cupy.asnumpy(act)
     assert np.isnan(got[M:].astype(np.float32)).all(), "GEMM 1 wrote past its last row"
     assert not np.isnan(got[:M].astype(np.float32)).any(), "some activations were never written"
 
     # The same GEMM storing [M, 2I], then the SwiGLU kernel: the same bits.
     h = cupy.full((M, 2 * I), np.nan, BF16)
-    ops.grouped_gemm("null", A, w13, h, offsets, E, 2 * I, H, impl="wgmma")
+    gemm.grouped_gemm("null", A, w13, h, offsets, E, 2 * I, H, impl="wgmma")
     two_kernels = cupy.full((M, I), np.nan, BF16)
-    ops.swiglu(h, two_kernels, M, I)
+    gemm.swiglu(h, two_kernels, M, I)
     assert np.array_equal(bf16_bits(act)[:M], bf16_bits(two_kernels))
 
     if M:
@@ -63,14 +63,14 @@ def test_gemm1_swiglu_equals_gemm1_then_swiglu(rows_per_expert, I, H):
         assert err < 1e-2, err
 
     again = cupy.full((M, I), np.nan, BF16)
-    ops.gemm1_swiglu(A, w13, again, offsets, E, I, H, impl="wgmma")
+    gemm.gemm1_swiglu(A, w13, again, offsets, E, I, H, impl="wgmma")
     assert np.array_equal(bf16_bits(again), bf16_bits(act)[:M])
 
 
 def test_gemm1_swiglu_mma_path_matches_float64():
     import cupy
 
-    from epserve import ops
+    from epserve.ffn import gemm
 
     rng = np.random.default_rng(11)
     rows, I, H = [130, 0, 61], 192, 128
@@ -79,7 +79,7 @@ def test_gemm1_swiglu_mma_path_matches_float64():
     A = rng.standard_normal((M, H), np.float32).astype(BF16)
     w13 = (rng.standard_normal((E, 2 * I, H), np.float32) * (2 / np.sqrt(H))).astype(BF16)
     act = cupy.full((M, I), np.nan, BF16)
-    ops.gemm1_swiglu(cupy.asarray(A), cupy.asarray(w13), act, cupy.asarray(off), E, I, H, impl="mma")
+    gemm.gemm1_swiglu(cupy.asarray(A), cupy.asarray(w13), act, cupy.asarray(off), E, I, H, impl="mma")
     A64, w64 = A.astype(np.float64), w13.astype(np.float64)
     ref = np.concatenate([_swiglu64(A64[off[e]:off[e + 1]] @ w64[e].T, I) for e in range(E)])
     got = cupy.asnumpy(act).astype(np.float64)
@@ -92,7 +92,7 @@ def test_ragged_tails_match_float64(N, K):
     """Every tail kind through the plain wgmma GEMM: partial tiles compute only their real rows."""
     import cupy
 
-    from epserve import ops
+    from epserve.ffn import gemm
 
     rng = np.random.default_rng(N + K)
     E, M = len(RAGGED), sum(RAGGED)
@@ -100,7 +100,7 @@ def test_ragged_tails_match_float64(N, K):
     A = rng.standard_normal((M, K), np.float32).astype(BF16)
     B = (rng.standard_normal((E, N, K), np.float32) / np.sqrt(K)).astype(BF16)
     C = cupy.full((M + 3, N), np.nan, BF16)
-    ops.grouped_gemm("null", cupy.asarray(A), cupy.asarray(B), C, cupy.asarray(off), E, N, K, impl="wgmma")
+    gemm.grouped_gemm("null", cupy.asarray(A), cupy.asarray(B), C, cupy.asarray(off), E, N, K, impl="wgmma")
     got = cupy.asnumpy(C).astype(np.float64)
     assert np.isnan(got[M:]).all(), "the GEMM wrote past its last row"
     A64, B64 = A.astype(np.float64), B.astype(np.float64)
@@ -122,7 +122,8 @@ def test_build_knobs_give_the_same_bits(knob, swiglu, monkeypatch):
     the last CTA pair half empty."""
     import cupy
 
-    from epserve import kernels, ops
+    from epserve.ffn import gemm
+    from epserve.runtime import kernels
 
     base = "gemm1_wgmma_swiglu" if swiglu else "gemm_wgmma_null"
     source, defines = kernels.VARIANTS[base]
@@ -137,7 +138,7 @@ def test_build_knobs_give_the_same_bits(knob, swiglu, monkeypatch):
     B = cupy.asarray((rng.standard_normal((E, B_rows, K), np.float32) / np.sqrt(K)).astype(BF16))
     want = cupy.full((M, N), np.nan, BF16)
     got = cupy.full((M, N), np.nan, BF16)
-    ops._wgmma_gemm(base, A, B, E * B_rows, want, off, E, N, K, ops._NO_PEERS, 0)
-    ops._wgmma_gemm(name, A, B, E * B_rows, got, off, E, N, K, ops._NO_PEERS, 0)
+    gemm._wgmma_gemm(base, A, B, E * B_rows, want, off, E, N, K, gemm._NO_PEERS, 0)
+    gemm._wgmma_gemm(name, A, B, E * B_rows, got, off, E, N, K, gemm._NO_PEERS, 0)
     assert not np.isnan(cupy.asnumpy(want).astype(np.float32)).any(), "the default build left elements unwritten"
     assert np.array_equal(bf16_bits(got), bf16_bits(want))

@@ -33,11 +33,11 @@ class OneRank:
 def setup():
     import cupy
 
-    from epserve import signals as sig
-    from epserve.kernel_structs import pack_peer_send_config
-    from epserve.layout import pack_src_info
-    from epserve.peers import PeerGroup
-    from epserve.signals import SignalBlock
+    from epserve.comm import signals as sig
+    from epserve.comm.peers import PeerGroup
+    from epserve.comm.signals import SignalBlock
+    from epserve.dispatch.host_plan import pack_src_info
+    from epserve.runtime.kernel_structs import pack_peer_send_config
 
     group = PeerGroup(OneRank())
     recv_bytes = TOKENS * TOP_K * H * 2
@@ -79,14 +79,14 @@ def check(raw, signals, rows, n_good):
 def test_ipc_push_refuses_corrupt_rows():
     import cupy
 
-    from epserve import ops
     from epserve.arrays import BF16
+    from epserve.comm import row_moves
 
     group, raw, signals, src_info, cfg, n_good = setup()
     try:
         M = src_info.size
         C = cupy.random.standard_normal((M, H), dtype=np.float32).astype(BF16)
-        ops.push_rows_to_peers(C, M, H, cfg)
+        row_moves.push_rows_to_peers(C, M, H, cfg)
         check(raw, signals, C[:n_good], n_good)
     finally:
         group.close()
@@ -96,8 +96,8 @@ def test_ipc_push_refuses_corrupt_rows():
 def test_peer_sink_refuses_corrupt_rows(impl):
     import cupy
 
-    from epserve import ops
     from epserve.arrays import BF16
+    from epserve.ffn import gemm
 
     group, raw, signals, src_info, cfg, n_good = setup()
     try:
@@ -105,9 +105,9 @@ def test_peer_sink_refuses_corrupt_rows(impl):
         A = cupy.random.standard_normal((M, K), dtype=np.float32).astype(BF16)
         B = (cupy.random.standard_normal((1, H, K), dtype=np.float32) / 8).astype(BF16)
         offsets = cupy.asarray(np.array([0, M], np.int32))
-        ops.grouped_gemm("peer", A, B, None, offsets, 1, H, K, cfg, 0, impl=impl)
+        gemm.grouped_gemm("peer", A, B, None, offsets, 1, H, K, cfg, 0, impl=impl)
         C = cupy.empty((M, H), BF16)
-        ops.grouped_gemm("null", A, B, C, offsets, 1, H, K, impl=impl)
+        gemm.grouped_gemm("null", A, B, C, offsets, 1, H, K, impl=impl)
         check(raw, signals, C[:n_good], n_good)
     finally:
         group.close()

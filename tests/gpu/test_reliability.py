@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from epserve.gpu_probe import gpu_count
+from epserve.runtime.gpu_probe import gpu_count
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_PY = ROOT / "launch" / "run.py"

@@ -151,7 +151,7 @@ def test_failing_rank_status_is_the_job_status():
 @pytest.mark.gpu
 def test_select_device_on_two_ranks():
     show = (
-        "from epserve.comm import local_rank, select_device, world; import cupy; "
+        "from epserve.comm.mpi import local_rank, select_device, world; import cupy; "
         "d = select_device(); "
         "rows = world().gather((local_rank(), d, cupy.cuda.runtime.getDevice(), cupy.cuda.runtime.getDeviceCount())); "
         "[print('DEV', *r) for r in rows or []]"
@@ -189,7 +189,7 @@ def test_service_without_a_gpu_fails_on_every_rank_at_device_selection():
 
     if importlib.util.find_spec("cupy") is None:
         pytest.skip("cupy is not installed")
-    from epserve.gpu_probe import gpu_unusable_reason
+    from epserve.runtime.gpu_probe import gpu_unusable_reason
 
     if gpu_unusable_reason() is None:
         pytest.skip("this machine has a GPU: the service would start")

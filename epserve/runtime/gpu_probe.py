@@ -1,7 +1,7 @@
 """Is there a GPU epserve can run on here? Used by the tests (to skip, saying why), by `make run`
 and by the GPU commands (to stop with one clear line before any rank starts).
 
-    python -m epserve.gpu_probe     # exit 0 if usable, else print why and exit 1
+    python -m epserve.runtime.gpu_probe     # exit 0 if usable, else print why and exit 1
 """
 
 import functools

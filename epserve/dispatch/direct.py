@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
-from . import kernels
-from . import signals as sig
-from .errors import EPServeError
-from .kernel_structs import MAX_LOCAL_EXPERTS, i32, launch_arg, pack_dispatch_config, u64
+from epserve.comm import signals as sig
+from epserve.errors import EPServeError
+from epserve.runtime import kernels
+from epserve.runtime.kernel_structs import MAX_LOCAL_EXPERTS, i32, launch_arg, pack_dispatch_config, u64
 
 INPUT_REJECTED = 100  # EPSERVE_INPUT_REJECTED: the code a rank puts in its count row when its own input failed
 

@@ -22,8 +22,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import __version__
-from .errors import BuildError
+from epserve import __version__
+from epserve.errors import BuildError
 
 # A file only epserve's kernel tree has: beside an installed epserve, ../cuda is
 # cuda-python's package, not ours.
@@ -33,7 +33,7 @@ _MARKER = "sinks/peer_send_config.cuh"
 def find_cuda_root() -> Path:
     """The kernel sources: cuda/ of the checkout epserve runs from, else the copy an
     installed wheel carries (epserve/_cuda, made by setup.py)."""
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]  # epserve/, this file being epserve/runtime/build.py
     checkout, installed = package.parent / "cuda", package / "_cuda"
     for root in (checkout, installed):
         if (root / _MARKER).is_file():

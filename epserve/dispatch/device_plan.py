@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
-from .layout import DispatchPlan
+from epserve.dispatch.host_plan import DispatchPlan
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from .comm import bounded_barrier, collective_verdict
-from .errors import EPServeError, PeerTimeoutError
+from epserve.comm.mpi import bounded_barrier, collective_verdict
+from epserve.errors import EPServeError, PeerTimeoutError
 
 _LAZY_PEER_ACCESS = getattr(cupy.cuda.runtime, "cudaIpcMemLazyEnablePeerAccess", 1)
 _TAG_UNMAPPED, _TAG_FREED = 0x4550, 0x4551  # the bounded teardown's two rounds

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import cupy
 
-from . import ops
-from .device_plan import DevicePlan
-from .kernel_structs import launch_arg, pack_peer_pointers
-from .nccl_transport import exchange_rows
+from epserve.comm import row_moves
+from epserve.comm.nccl import exchange_rows
+from epserve.dispatch.device_plan import DevicePlan
+from epserve.runtime.kernel_structs import launch_arg, pack_peer_pointers
 
 
 class Dispatcher:
@@ -40,17 +40,17 @@ class Dispatcher:
         a = cupy.empty((M, self.hidden), self.dtype)
         if self.transport == "nccl":
             packed = cupy.empty((S, self.hidden), self.dtype)
-            ops.copy_rows(packed, x, None, plan.send_token, S, self.row_bytes)
+            row_moves.copy_rows(packed, x, None, plan.send_token, S, self.row_bytes)
             staging = cupy.empty((M, self.hidden), self.dtype)
             h = plan.host
             exchange_rows(self.nccl, packed, h.send_counts, h.send_displs, staging, h.recv_counts, h.recv_displs,
                           self.row_bytes)
-            ops.copy_rows(a, staging, None, plan.recv_perm, M, self.row_bytes)
+            row_moves.copy_rows(a, staging, None, plan.recv_perm, M, self.row_bytes)
             return a
         packed = self._send_buf.view(self.dtype, (S, self.hidden))
-        ops.copy_rows(packed, x, None, plan.send_token, S, self.row_bytes)
+        row_moves.copy_rows(packed, x, None, plan.send_token, S, self.row_bytes)
         self._host_barrier()
-        ops.gather_rows_from_peers(a, self._peer_bases, plan.recv_src_rank, plan.recv_src_pos, M, self.row_bytes)
+        row_moves.gather_rows_from_peers(a, self._peer_bases, plan.recv_src_rank, plan.recv_src_pos, M, self.row_bytes)
         self._host_barrier()
         return a
 

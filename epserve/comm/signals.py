@@ -19,8 +19,8 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from .errors import ConfigError, EPServeError, PeerTimeoutError, RankFailedError
-from .kernel_structs import MAX_PEERS
+from epserve.errors import ConfigError, EPServeError, PeerTimeoutError, RankFailedError
+from epserve.runtime.kernel_structs import MAX_PEERS
 
 ARRIVE, COUNT_ARRIVE, TOKEN_ARRIVE, READY, DISPATCH_READY, EXPECTED, EXPECTED_TOKENS, ERROR = (
     0, 64, 128, 192, 256, 320, 384, 448)

@@ -1,6 +1,6 @@
 """The float64 oracle for the whole layer (docs/design.md: "The layer", "Layouts"), on the CPU.
 
-reference_layer follows the real data path (dispatch by the plan of epserve.layout, per-
+reference_layer follows the real data path (dispatch by the plan of epserve.dispatch.host_plan, per-
 expert GEMMs, the recv slots, the fixed-order reduction) and returns every intermediate,
 so a GPU test can check each stage on its own. dense_layer computes the same output with no
 dispatch layout at all, to cross-check the oracle itself.
@@ -22,14 +22,14 @@ converted to float64):
 
 import numpy as np
 
+from epserve.dispatch.host_plan import plan_dispatch, unpack_src_info
 from epserve.errors import ConfigError
-from epserve.layout import plan_dispatch, unpack_src_info
 
 
 def reference_layer(xs, topk_idxs, topk_weights, w13s, w2s, num_experts):
     """Per rank r a dict of float64 arrays (M = rows rank r receives):
 
-    expert_offsets, src_info   rank r's dispatch plan (epserve.layout)
+    expert_offsets, src_info   rank r's dispatch plan (epserve.dispatch.host_plan)
     a     [M, H]     dispatched rows, expert-major
     h     [M, 2I]    a @ w13[e]^T
     act   [M, I]     silu(h[:, :I]) * h[:, I:]

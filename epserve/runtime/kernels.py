@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 
-from .build import load_module
+from epserve.runtime.build import load_module
 
 SINKS = {"null": "NullPeerSink", "peer": "EpPeerSink"}
 

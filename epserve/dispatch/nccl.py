@@ -31,12 +31,20 @@ from math import comb
 import cupy
 import numpy as np
 
-from . import kernels
-from . import signals as sig
-from .direct_dispatch import CHUNK, INPUT_REJECTED, LAYOUT_THREADS, MOVE_THREADS, PUBLISH_THREADS, ROUTE_THREADS, \
-    ROUTE_WARPS, Dispatched
-from .errors import EPServeError
-from .kernel_structs import i32, launch_arg, pack_dispatch_config, u64
+from epserve.comm import signals as sig
+from epserve.dispatch.direct import (
+    CHUNK,
+    INPUT_REJECTED,
+    LAYOUT_THREADS,
+    MOVE_THREADS,
+    PUBLISH_THREADS,
+    ROUTE_THREADS,
+    ROUTE_WARPS,
+    Dispatched,
+)
+from epserve.errors import EPServeError
+from epserve.runtime import kernels
+from epserve.runtime.kernel_structs import i32, launch_arg, pack_dispatch_config, u64
 
 _NULL = u64(0)
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from epserve.check.testing import LayerInputs, layer_inputs
 from epserve.config import KERNEL_TILE, MoEConfig
-from epserve.testing import LayerInputs, layer_inputs
 
 MAX_TOP_K = 8
 HIDDEN_CAP = 7168  # DeepSeek-V3's hidden size

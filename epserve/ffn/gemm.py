@@ -1,6 +1,7 @@
-"""Launchers of epserve's kernels on the current CuPy stream: arguments in the exact types
-the CUDA signatures take, grid sizes, and the shared-memory opt-in. No validation of user
-input here (the service does that once, before any data moves); only internal invariants."""
+"""Launchers of the expert FFN's kernels on the current CuPy stream: the grouped GEMMs (the
+wgmma one and the mma.sync reference), GEMM 1 with SwiGLU, and the SwiGLU kernel. Arguments
+in the exact types the CUDA signatures take, grid sizes, the shared-memory opt-in. No
+validation of user input here (the service does that once, before any data moves)."""
 
 from __future__ import annotations
 
@@ -10,54 +11,31 @@ import os
 import cupy
 import numpy as np
 
-from . import kernels, tma
-from .kernel_structs import PEER_SEND_CONFIG, i32, launch_arg, u64
-
-NULL = u64(0)  # a null pointer argument
-
-
-def _ptr(a):
-    """A pointer argument: a CuPy array as itself (CuPy passes its data pointer), an address
-    as a uint64 made once per value, None as null."""
-    if a is None:
-        return NULL
-    if isinstance(a, (int, np.integer)):
-        return u64(int(a))
-    return a
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: int) -> int:
-    return cupy.cuda.Device(device).attributes["MultiProcessorCount"]
-
-
-def _module_int(mod, name: str) -> int:
-    host = np.zeros(1, np.int32)
-    mem = mod.get_global(name)
-    mem.copy_to_host(host.ctypes.data, 4)
-    return int(host[0])
+from epserve.runtime import kernels, tma
+from epserve.runtime.kernel_structs import PEER_SEND_CONFIG, i32, launch_arg
+from epserve.runtime.launch import NULL, module_int, pointer, sm_count
 
 
 @functools.lru_cache(maxsize=None)
 def _gemm_kernel(variant: str, kernel: str, device: int):
     mod = kernels.module(variant)
     fn = mod.get_function(kernel)
-    smem = _module_int(mod, "epserve_gemm_smem_bytes")
-    threads = _module_int(mod, "epserve_gemm_threads")
+    smem = module_int(mod, "epserve_gemm_smem_bytes")
+    threads = module_int(mod, "epserve_gemm_threads")
     fn.max_dynamic_shared_size_bytes = smem
     return fn, smem, threads
 
 
 @functools.lru_cache(maxsize=None)
 def _b_box_rows(variant: str, device: int) -> int:
-    return _module_int(kernels.module(variant), "epserve_gemm_b_box_rows")
+    return module_int(kernels.module(variant), "epserve_gemm_b_box_rows")
 
 
 @functools.lru_cache(maxsize=None)
 def _wgmma_grid(variant: str, device: int) -> int:
     """One CTA per SM, in whole clusters (the wgmma GEMM's CTA pairs share A tiles)."""
-    cluster = _module_int(kernels.module(variant), "epserve_gemm_cluster")
-    return _sm_count(device) // cluster * cluster
+    cluster = module_int(kernels.module(variant), "epserve_gemm_cluster")
+    return sm_count(device) // cluster * cluster
 
 
 # What the null sink is given (it never reads it), wrapped once (kernel_structs.launch_arg).
@@ -89,8 +67,8 @@ def grouped_gemm(sink: str, A, B, C, expert_offsets, num_experts: int, N: int, K
     if impl == "mma":
         device = cupy.cuda.runtime.getDevice()
         fn, smem, threads = _gemm_kernel(f"gemm_{sink}", "epserve_grouped_gemm", device)
-        args = (_ptr(A), _ptr(B), _ptr(C), _ptr(expert_offsets), i32(num_experts), i32(N), i32(K), cfg, i32(gate))
-        fn((_sm_count(device),), (threads,), args, shared_mem=smem)
+        args = (pointer(A), pointer(B), pointer(C), pointer(expert_offsets), i32(num_experts), i32(N), i32(K), cfg, i32(gate))
+        fn((sm_count(device),), (threads,), args, shared_mem=smem)
     else:
         _wgmma_gemm(f"gemm_wgmma_{sink}", A, B, num_experts * N, C, expert_offsets, num_experts, N, K, cfg, gate)
 
@@ -156,59 +134,5 @@ def _wgmma_kernel(variant: str, device: int):
 def swiglu(h, act, M: int, intermediate: int) -> None:
     fn = kernels.function("swiglu", "epserve_swiglu")
     pairs = M * intermediate // 2
-    blocks = max(1, min(_sm_count(cupy.cuda.runtime.getDevice()) * 8, (pairs + 255) // 256))
-    fn((blocks,), (256,), (_ptr(h), _ptr(act), np.int64(M), np.int32(intermediate)))
-
-
-def _row_grid(rows: int) -> int:
-    return max(1, min(_sm_count(cupy.cuda.runtime.getDevice()) * 16, (rows + 7) // 8))
-
-
-def copy_rows(dst, src, dst_idx, src_idx, rows: int, row_bytes: int) -> None:
-    """dst[dst_idx[i] or i] = src[src_idx[i] or i]; rows of row_bytes (a multiple of 16)."""
-    if rows == 0:
-        return
-    fn = kernels.function("rows", "epserve_copy_rows")
-    fn((_row_grid(rows),), (256,), (_ptr(dst), _ptr(src), _ptr(dst_idx), _ptr(src_idx), np.int32(rows),
-                                    np.int32(row_bytes)))
-
-
-def gather_rows_from_peers(dst, peer_bases, src_rank, src_pos, rows: int, row_bytes: int) -> None:
-    if rows == 0:
-        return
-    fn = kernels.function("rows", "epserve_gather_rows_from_peers")
-    fn((_row_grid(rows),), (256,), (_ptr(dst), peer_bases, _ptr(src_rank), _ptr(src_pos), np.int32(rows),
-                                    np.int32(row_bytes)))
-
-
-def push_rows_to_peers(C, M: int, H: int, cfg) -> None:
-    """The unfused combine over IPC: C's rows into their home ranks' recv slots, signalled."""
-    if M == 0:
-        return
-    fn = kernels.function("rows", "epserve_push_rows_to_peers")
-    blocks = max(1, min(_sm_count(cupy.cuda.runtime.getDevice()) * 4, (M + 31) // 32))
-    fn((blocks,), (256,), (_ptr(C), np.int32(M), np.int32(H), cfg))
-
-
-def combine_arm(topk_idx, T: int, k: int, experts_per_rank: int, world: int, units_per_slot: int,
-                expected_ptr: int, status=None) -> None:
-    """expected[s] += units of this call's slots owned by rank s (expected: per-sender array),
-    unless the call status says the dispatch verdict stopped the call."""
-    fn = kernels.function("combine", "epserve_combine_arm")
-    fn((1,), (256,), (_ptr(topk_idx), i32(T), i32(k), i32(experts_per_rank), i32(world), i32(units_per_slot),
-                      u64(expected_ptr), _ptr(status)))
-
-
-def combine_reduce(recv, topk_idx, topk_weights, out, T: int, k: int, H: int, world: int, arrive_ptr: int,
-                   expected_ptr: int, error_ptr: int, timeout_ns: int, wait: bool, status=None) -> None:
-    """The reduction; a failed call (status, or its own wait running out) poisons out."""
-    fn = kernels.function("combine", "epserve_combine_reduce")
-    blocks = max(1, min(T, _sm_count(cupy.cuda.runtime.getDevice()) * 8))
-    fn((blocks,), (128,), (_ptr(recv), _ptr(topk_idx), _ptr(topk_weights), _ptr(out), i32(T), i32(k), i32(H),
-                           i32(world), u64(arrive_ptr), u64(expected_ptr), u64(error_ptr), u64(timeout_ns),
-                           i32(1 if wait else 0), _ptr(status)))
-
-
-def release_recv(peer_ready_table, rank: int, world: int) -> None:
-    fn = kernels.function("combine", "epserve_release_recv")
-    fn((1,), (32,), (peer_ready_table, i32(rank), i32(world)))
+    blocks = max(1, min(sm_count(cupy.cuda.runtime.getDevice()) * 8, (pairs + 255) // 256))
+    fn((blocks,), (256,), (pointer(h), pointer(act), np.int64(M), np.int32(intermediate)))

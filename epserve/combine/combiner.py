@@ -18,13 +18,14 @@ poisoned (NaN), never plausible."""
 from __future__ import annotations
 
 import cupy
-import numpy as np
 
-from . import ops
-from . import signals as sig
-from .device_plan import DevicePlan
-from .kernel_structs import launch_arg, pack_peer_pointers, pack_peer_send_config
-from .nccl_transport import exchange_rows
+from epserve.combine import launchers
+from epserve.comm import row_moves
+from epserve.comm import signals as sig
+from epserve.comm.nccl import exchange_rows
+from epserve.dispatch.device_plan import DevicePlan
+from epserve.ffn import gemm
+from epserve.runtime.kernel_structs import launch_arg, pack_peer_pointers, pack_peer_send_config
 
 
 class Combiner:
@@ -74,36 +75,36 @@ class Combiner:
     def gemm_only(self, act, w2, plan: DevicePlan, intermediate: int) -> None:
         """GEMM 2 with the peer sink gated off: the math alone, nothing sent or allocated."""
         cfg = self.send_config(plan.src_info)
-        ops.grouped_gemm("peer", act, w2, None, plan.expert_offsets, w2.shape[0], self.hidden, intermediate, cfg, -1)
+        gemm.grouped_gemm("peer", act, w2, None, plan.expert_offsets, w2.shape[0], self.hidden, intermediate, cfg, -1)
 
     def fused(self, act, w2, plan: DevicePlan, topk_idx, topk_weights, intermediate: int, out=None, status=None):
         """GEMM 2 whose epilogue writes every row into its home rank's recv; then the reduction."""
         self.epoch += 1
         cfg = self.send_config(plan.src_info, status)
-        ops.grouped_gemm("peer", act, w2, None, plan.expert_offsets, w2.shape[0], self.hidden, intermediate, cfg, 0)
+        gemm.grouped_gemm("peer", act, w2, None, plan.expert_offsets, w2.shape[0], self.hidden, intermediate, cfg, 0)
         return self._reduce(topk_idx, topk_weights, out, wait=True, status=status)
 
     def stand_in(self, status=None) -> None:
         """This rank's part of a combine it has no tokens for (its input was rejected): the
         epoch moves on with the others'."""
         self.epoch += 1
-        ops.release_recv(self._ready_table, self.rank, self.world)
+        launchers.release_recv(self._ready_table, self.rank, self.world)
 
     def unfused(self, C, plan: DevicePlan, topk_idx, topk_weights, out=None, status=None):
         """C [M, H] (GEMM 2 with the null sink) -> recv slots by the transport -> the reduction."""
         self.epoch += 1
         M, row_bytes = plan.num_recv_rows, self.hidden * 2
         if self.transport == "ipc":
-            ops.push_rows_to_peers(C, M, self.hidden, self.send_config(plan.src_info, status))
+            row_moves.push_rows_to_peers(C, M, self.hidden, self.send_config(plan.src_info, status))
             return self._reduce(topk_idx, topk_weights, out, wait=True, status=status)
         h = plan.host
         packed = cupy.empty_like(C)
-        ops.copy_rows(packed, C, None, plan.combine_pack_idx, M, row_bytes)
+        row_moves.copy_rows(packed, C, None, plan.combine_pack_idx, M, row_bytes)
         staging = cupy.empty((plan.num_send_rows, self.hidden), self.dtype)
         # Rows go back the way they came: what s sent us returns to s, what we sent to r comes back from r.
         exchange_rows(self.nccl, packed, h.recv_counts, h.recv_displs, staging, h.send_counts, h.send_displs,
                       row_bytes)
-        ops.copy_rows(self.recv, staging, plan.home_slot, None, plan.num_send_rows, row_bytes)
+        row_moves.copy_rows(self.recv, staging, plan.home_slot, None, plan.num_send_rows, row_bytes)
         return self._reduce(topk_idx, topk_weights, out, wait=False)
 
     def unfused_nccl(self, C, nccl_path, topk_idx, topk_weights, out=None):
@@ -119,11 +120,11 @@ class Combiner:
             out = cupy.empty((T, self.hidden), self.dtype)
         s = self.signals
         if wait:
-            ops.combine_arm(topk_idx, T, self.top_k, self.experts_per_rank, self.world, self.hidden // 64,
+            launchers.combine_arm(topk_idx, T, self.top_k, self.experts_per_rank, self.world, self.hidden // 64,
                             s.local(sig.EXPECTED), status)
-        ops.combine_reduce(self.recv, topk_idx, topk_weights, out, T, self.top_k, self.hidden, self.world,
+        launchers.combine_reduce(self.recv, topk_idx, topk_weights, out, T, self.top_k, self.hidden, self.world,
                            s.local(sig.ARRIVE), s.local(sig.EXPECTED), s.local(sig.ERROR), self.timeout_ns, wait,
                            status)
         # recv is read: tell every peer it may take the next combine's rows
-        ops.release_recv(self._ready_table, self.rank, self.world)
+        launchers.release_recv(self._ready_table, self.rank, self.world)
         return out

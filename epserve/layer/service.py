@@ -29,20 +29,20 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
-from . import comm as ep_comm
-from . import ops
-from .arrays import BF16, checked_array
-from .combine import Combiner
-from .config import MoEConfig, check_agreement
-from .device_plan import DevicePlan
-from .direct_dispatch import DirectDispatcher, Dispatched
-from .dispatch import Dispatcher
-from .errors import ConfigError, EPServeError, PeerTimeoutError
-from .layout import check_recv_capacity, count_recv_rows, plan_dispatch
-from .nccl_dispatch import NcclDispatcher
-from .nccl_transport import gpus_shared, make_nccl
-from .peers import PeerGroup
-from .signals import SignalBlock
+from epserve.arrays import BF16, checked_array
+from epserve.combine.combiner import Combiner
+from epserve.comm import mpi as ep_comm
+from epserve.comm.nccl import gpus_shared, make_nccl
+from epserve.comm.peers import PeerGroup
+from epserve.comm.signals import SignalBlock
+from epserve.config import MoEConfig, check_agreement
+from epserve.dispatch.device_plan import DevicePlan
+from epserve.dispatch.direct import DirectDispatcher, Dispatched
+from epserve.dispatch.host import Dispatcher
+from epserve.dispatch.host_plan import check_recv_capacity, count_recv_rows, plan_dispatch
+from epserve.dispatch.nccl import NcclDispatcher
+from epserve.errors import ConfigError, EPServeError, PeerTimeoutError
+from epserve.ffn import gemm
 
 SINKS = ("peer", "null")
 DISPATCHES = ("direct", "nccl")
@@ -170,7 +170,7 @@ class EPService:
         transport "direct": each row crosses to a rank at most once, by IPC stores, expanded on
         arrival (one host wait, see the module docstring). "nccl": the same deduplicated rows
         in fixed-size blocks through one grouped NCCL send/recv, planned on the device (no
-        MPI; epserve/nccl_dispatch.py); where ranks share a GPU, NCCL cannot run and the host-
+        MPI; epserve/dispatch/nccl.py); where ranks share a GPU, NCCL cannot run and the host-
         planned IPC pull stands in. All give bitwise identical rows, offsets and src_info.
 
         A transport other than these raises ConfigError on the calling rank at once (the ranks
@@ -228,7 +228,7 @@ class EPService:
         c = self.config
         M, I, H, e_loc = d.num_rows, c.intermediate, c.hidden, c.experts_per_rank
         act = cupy.empty((M, I), BF16)
-        ops.gemm1_swiglu(d.rows, w13, act, d.expert_offsets, e_loc, I, H)
+        gemm.gemm1_swiglu(d.rows, w13, act, d.expert_offsets, e_loc, I, H)
         comb = self.combiner
         if gate < 0:
             comb.gemm_only(act, w2, self._send_plan(d), I)
@@ -237,7 +237,7 @@ class EPService:
             out = comb.fused(act, w2, self._send_plan(d), d.topk_idx, d.topk_weights, I, out=out)
         else:
             C = cupy.empty((M, H), BF16)
-            ops.grouped_gemm("null", act, w2, C, d.expert_offsets, e_loc, H, I)
+            gemm.grouped_gemm("null", act, w2, C, d.expert_offsets, e_loc, H, I)
             plan = self._send_plan(d) if self.transport == "ipc" else (d.plan or self._host_plan(d.topk_idx))
             out = comb.unfused(C, plan, d.topk_idx, d.topk_weights, out=out)
         return out
@@ -333,20 +333,20 @@ class EPService:
         c = self.config
         d = self.nccl_path if dispatch == "nccl" else self.direct
         d.enqueue(x, topk_idx)
-        ops.gemm1_swiglu(d.rows, w13, self._act, d.expert_offsets, c.experts_per_rank, c.intermediate, c.hidden)
+        gemm.gemm1_swiglu(d.rows, w13, self._act, d.expert_offsets, c.experts_per_rank, c.intermediate, c.hidden)
         if sink == "peer":
             out = self.combiner.fused(self._act, w2, d, topk_idx, topk_weights, c.intermediate, out=out,
                                       status=d.status)
         elif dispatch == "nccl":  # the unfused layer over NCCL: GEMM 2 stores C, NCCL brings it home
             if self._C is None:
                 self._C = cupy.empty((c.recv_rows_capacity, c.hidden), BF16)
-            ops.grouped_gemm("null", self._act, w2, self._C, d.expert_offsets, c.experts_per_rank, c.hidden,
+            gemm.grouped_gemm("null", self._act, w2, self._C, d.expert_offsets, c.experts_per_rank, c.hidden,
                              c.intermediate)
             out = self.combiner.unfused_nccl(self._C, d, topk_idx, topk_weights, out=out)
         else:  # the null sink after the direct dispatch: C pushed over IPC; it reads the row count
             if self._C is None:
                 self._C = cupy.empty((c.recv_rows_capacity, c.hidden), BF16)
-            ops.grouped_gemm("null", self._act, w2, self._C, d.expert_offsets, c.experts_per_rank, c.hidden,
+            gemm.grouped_gemm("null", self._act, w2, self._C, d.expert_offsets, c.experts_per_rank, c.hidden,
                              c.intermediate)
             rows = _RowSources(d.expert_offsets, d.src_info, d.rows_received())
             out = self.combiner.unfused(self._C, rows, topk_idx, topk_weights, out=out, status=d.status)
@@ -412,8 +412,8 @@ class EPService:
         over input and output buffers it owns: write fresh inputs into its x, topk_idx and
         topk_weights, then replay() it; the output is bitwise the eager forward's. Collective:
         it runs one eager forward first (every rank at once), and every replay is a forward
-        call of every rank. See epserve/graph.py."""
-        from .graph import CapturedForward
+        call of every rank. See epserve/layer/graph.py."""
+        from epserve.layer.graph import CapturedForward
 
         return CapturedForward(self, tokens, w13, w2)
 

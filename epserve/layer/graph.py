@@ -14,7 +14,7 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from .arrays import BF16
+from epserve.arrays import BF16
 
 
 class CapturedForward:
