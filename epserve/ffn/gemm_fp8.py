@@ -60,6 +60,7 @@ def _launch(variant: str, a, a_scales, b, b_scales, b_rows: int, C, c_scales, ex
     assert a_scales.dtype == np.float32 and a_scales.shape[0] == K // BLOCK and a_scales.shape[1] % 4 == 0, \
         a_scales.shape
     M = a.shape[0]
+    assert a_scales.shape[1] >= M and b.shape[-1] == K and b.size == b_rows * K, (a_scales.shape, M, b.shape, b_rows)
     if M == 0:
         return  # no rows, no tiles (and a tensor map cannot have an empty dimension)
     device = cupy.cuda.runtime.getDevice()
