@@ -21,15 +21,22 @@ constexpr int kFp8BlockK = 128;  // k-block of the scales: one 128-byte row of a
 // of one stage; returns when the tensor cores are done with the stage's bytes and `part`.
 // The whole wgmma bracket is in here, so a caller's branch never splits one (ptxas
 // serializes every wgmma of a kernel where a bracket straddles a branch).
+// kIssue = false (a diagnostic build, EPSERVE_GEMM_FP8_MMA=0): no wgmma at all, part = 0.
+template <bool kIssue = true>
 __device__ __forceinline__ void k_block_mma(float (&part)[64], const unsigned char* a, const unsigned char* b) {
-  fence_operands(part);  // the last promotion's reads of part stay before the fence
-  wgmma_fence();
+  if constexpr (!kIssue) {
 #pragma unroll
-  for (int kk = 0; kk < kFp8BlockK / 32; ++kk)
-    wgmma_m64n128k32_e4m3(part, smem_desc_sw128(a + kk * 32), smem_desc_sw128(b + kk * 32), kk != 0);
-  wgmma_commit();
-  wgmma_wait<0>();
-  fence_operands(part);  // and the next promotion's after the wait
+    for (int i = 0; i < 64; ++i) part[i] = 0.f;
+  } else {
+    fence_operands(part);  // the last promotion's reads of part stay before the fence
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kFp8BlockK / 32; ++kk)
+      wgmma_m64n128k32_e4m3(part, smem_desc_sw128(a + kk * 32), smem_desc_sw128(b + kk * 32), kk != 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operands(part);  // and the next promotion's after the wait
+  }
 }
 
 // sum[kOffset + i] += part[i] * scale of part[i]'s row: s_lo for this thread's row

@@ -13,9 +13,15 @@
 // What FP8 changes:
 // - A stage is one k-block: 128 e4m3 = 128 bytes a row, one 128-byte swizzle row, so A
 //   (16 KB) and B (32 KB) have the bf16 kernel's bytes for twice its MMA work; a third TMA
-//   box brings the 128 A scales of the tile's rows (scales stored k-block-major,
-//   [K / 128, ld], so they are one contiguous box). B's scales are read by the consumers from
-//   global memory (one float a half a k-block, the same for every thread: a broadcast).
+//   box brings the A scales of the tile's rows (scales stored k-block-major, [K / 128, ld],
+//   so they are one contiguous box). That box's first column is the tile's first row rounded
+//   down to a multiple of 4, and it is 132 floats wide: a TMA box's start in its innermost
+//   dimension must be 16-byte aligned (common/ptx.cuh, tma_load_2d), experts start at any
+//   row, and cuTensorMapEncodeTiled cannot check a coordinate. The first version started the
+//   box at the tile's first row; its first GPU run died with CUDA_ERROR_ILLEGAL_INSTRUCTION
+//   on experts starting at rows 0, 64, 129, 130, ... (notes/gemm.md). B's scales are read by
+//   the consumers from global memory (one float a half a k-block, the same for every thread:
+//   a broadcast).
 // - A consumer keeps a 128 x 256 tile's fp32 sum (128 registers) and computes each k-block
 //   into a 64-register part, one 128-column half at a time (sum + two parts would not fit).
 // - -DEPSERVE_GEMM_SWIGLU=1 builds GEMM 1: B is w13 [E, 2N, K], a stage holds N-tile n's
@@ -43,6 +49,34 @@
 #ifndef EPSERVE_GROUP_N
 #define EPSERVE_GROUP_N 4  // n-tiles of a weight-sharing group (gemm/tile_scheduler.cuh)
 #endif
+// Diagnostic builds (tests/gpu/test_gemm_fp8.py's probes, launch/jobs/probe_gemm_fp8.py), none
+// of them shipped; each keeps every barrier, arrival and byte count of the default build, so
+// a build that runs shows that what it left out was not the fault:
+// - EPSERVE_GEMM_FP8_TMA_LOADS: which TMA boxes the producer issues, bit 0 A, bit 1 A's
+//   scales, bit 2 B (default 7, all). A box left out is counted as arrived bytes instead
+//   (mbarrier.expect_tx of the bytes, then mbarrier.complete_tx of them), so the stage still
+//   completes; the consumers then compute on whatever the ring holds.
+// - EPSERVE_GEMM_FP8_MMA=0: the consumers issue no wgmma and promote nothing (a scale the
+//   ring holds unloaded could be NaN); the output is all zeros.
+// - EPSERVE_GEMM_FP8_CHECK_TMA=1: before each TMA load the producer checks what the hardware
+//   requires of it and cuTensorMapEncodeTiled cannot see (shared destination aligned to 128
+//   bytes, 1024 for the swizzled A and B boxes; innermost start coordinate a multiple of 16
+//   bytes) and on a violation prints the load, its coordinates and the tile, then traps.
+// - EPSERVE_GEMM_FP8_UNALIGNED_SCALES=1: the A-scale box starts at the tile's first row
+//   itself, as the first version did (the same values land in the same places): the build
+//   that reproduces the first GPU run's fault if an unaligned start was its cause.
+#ifndef EPSERVE_GEMM_FP8_TMA_LOADS
+#define EPSERVE_GEMM_FP8_TMA_LOADS 7
+#endif
+#ifndef EPSERVE_GEMM_FP8_MMA
+#define EPSERVE_GEMM_FP8_MMA 1
+#endif
+#ifndef EPSERVE_GEMM_FP8_CHECK_TMA
+#define EPSERVE_GEMM_FP8_CHECK_TMA 0
+#endif
+#ifndef EPSERVE_GEMM_FP8_UNALIGNED_SCALES
+#define EPSERVE_GEMM_FP8_UNALIGNED_SCALES 0
+#endif
 
 namespace {
 
@@ -65,7 +99,19 @@ constexpr int kLightRegs = 40, kConsumerRegs = 232;
 static_assert(kConsumers * 128 * kConsumerRegs + 128 * kLightRegs <= 65536, "registers");
 static_assert(Sink::kSendWarps <= 3, "the send warps share the producer warpgroup with the TMA warp");
 constexpr int kHalfA = 64 * kBK;  // bytes of one warpgroup's 64 rows of an A stage: one TMA box
-constexpr int kStageA = kBM * kBK, kStageB = kBN * kBK, kStageScales = kBM * 4;
+// A's scales: a box of kScaleBox floats from the tile's first row rounded down to 4 (see the
+// top of the file), in a slot of kStageScales bytes (a TMA destination is 128-byte aligned).
+constexpr int kScaleAlign = 4;  // floats: 16 bytes
+constexpr int kScaleBox = kBM + kScaleAlign;
+constexpr int kScaleBoxBytes = kScaleBox * 4;
+static_assert(kScaleBoxBytes % 16 == 0 && kScaleBox <= 256, "a TMA box: whole 16 bytes, at most 256 elements");
+constexpr int kStageA = kBM * kBK, kStageB = kBN * kBK, kStageScales = (kScaleBoxBytes + 127) / 128 * 128;
+constexpr int kLoads = EPSERVE_GEMM_FP8_TMA_LOADS;
+static_assert(kLoads >= 0 && kLoads <= 7, "EPSERVE_GEMM_FP8_TMA_LOADS: bit 0 A, bit 1 A's scales, bit 2 B");
+constexpr bool kLoadA = kLoads & 1, kLoadScales = kLoads & 2, kLoadB = kLoads & 4;
+constexpr bool kMma = EPSERVE_GEMM_FP8_MMA != 0;
+constexpr bool kCheckTma = EPSERVE_GEMM_FP8_CHECK_TMA != 0;
+constexpr bool kUnalignedScales = EPSERVE_GEMM_FP8_UNALIGNED_SCALES != 0;
 
 // The finished tile in shared memory. GEMM 2: kBM rows of kOutCols bf16, each row padded by
 // 16 bytes (bank spread; the peer sink reads rows by stride), as in the bf16 kernel. GEMM 1:
@@ -99,16 +145,40 @@ struct alignas(64) TensorMap {
   unsigned long long opaque[16];
 };
 
+// The column where a tile's A-scale box starts: its first row rounded down to 16 bytes.
+__device__ __forceinline__ int scale_box_col(int m_abs) {
+  return kUnalignedScales ? m_abs : m_abs & ~(kScaleAlign - 1);
+}
+
+// tma_load_2d, or (EPSERVE_GEMM_FP8_TMA_LOADS) its bytes counted as arrived without a load;
+// with EPSERVE_GEMM_FP8_CHECK_TMA, the hardware's requirements checked first.
+template <bool kIssue>
+__device__ __forceinline__ void stage_load(const char* what, void* dst, const TensorMap* map, uint64_t* bar, int x,
+                                           int y, int elem_bytes, uint32_t dst_align, uint32_t bytes, int tile) {
+  if constexpr (kCheckTma) {
+    const uint32_t d = smem_u32(dst);
+    if ((d & (dst_align - 1)) || ((static_cast<long long>(x) * elem_bytes) & 15)) {
+      printf("epserve_grouped_gemm_fp8: block %d, tile %d: TMA load of %s at (x %d, y %d) breaks a rule: shared "
+             "destination 0x%x (must be aligned to %u), innermost start %lld bytes (must be a multiple of 16)\n",
+             static_cast<int>(blockIdx.x), tile, what, x, y, d, dst_align, static_cast<long long>(x) * elem_bytes);
+      __trap();
+    }
+  }
+  if constexpr (kIssue) tma_load_2d(dst, map, bar, x, y);
+  else mbarrier_complete_tx(bar, bytes);
+}
+
 }  // namespace
 
 extern "C" __constant__ int epserve_gemm_smem_bytes = kSmemBytes;
 extern "C" __constant__ int epserve_gemm_threads = kThreads;
 extern "C" __constant__ int epserve_gemm_stages = kStages;
 extern "C" __constant__ int epserve_gemm_b_box_rows = kSwiGLU ? kBN / 2 : kBN;  // the rows of B's TMA box
+extern "C" __constant__ int epserve_gemm_scale_box_cols = kScaleBox;  // the columns (floats) of A's scale box
 
-// map_a: A [M, K] e4m3 in 64-row x 128-byte boxes; map_sa: A's scales [K / 128, >= M] fp32 in
-// 128 x 1 boxes; map_b: B [E * b_rows, K] e4m3 in boxes of epserve_gemm_b_box_rows rows;
-// b_scales [E, b_rows / 128, K / 128]. N: output columns (b_rows = N, or 2N with SwiGLU);
+// map_a: A [M, K] e4m3 in 64-row x 128-byte boxes; map_sa: A's scales [K / 128, >= M] fp32
+// in 1 x epserve_gemm_scale_box_cols boxes; map_b: B [E * b_rows, K] e4m3 in boxes of
+// epserve_gemm_b_box_rows rows; b_scales [E, b_rows / 128, K / 128]. N: output columns (b_rows = N, or 2N with SwiGLU);
 // N and K multiples of 128. C: bf16 [M, N] (null sink; may be null with the peer sink), or
 // with SwiGLU e4m3 [M, N] and c_scales [N / 128, c_scale_ld]. tile_counter: two ints, zero
 // at launch and zero again when the kernel ends (the last CTA resets them).
@@ -199,17 +269,21 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         for (int kt = 0; kt < k_blocks; ++kt) {
           mbarrier_wait(&empty[stage], phase ^ 1);  // both consumer warpgroups are done with the stage
           if (kt == 0) stage_tile[stage] = index;
-          mbarrier_expect_tx(&full[stage], a_boxes * kHalfA + kStageB + kStageScales);
+          mbarrier_expect_tx(&full[stage], a_boxes * kHalfA + kStageB + kScaleBoxBytes);
           for (int h = 0; h < a_boxes; ++h)
-            tma_load_2d(ring_a + stage * kStageA + h * kHalfA, &map_a, &full[stage], kt * kBK, t.m_abs + 64 * h);
-          // The scales of the tile's 128 rows (past the end of A: zeros, never used).
-          tma_load_2d(ring_sa + stage * kBM, &map_sa, &full[stage], t.m_abs, kt);
+            stage_load<kLoadA>("A", ring_a + stage * kStageA + h * kHalfA, &map_a, &full[stage], kt * kBK,
+                               t.m_abs + 64 * h, 1, 1024, kHalfA, index);
+          // The scales of the tile's rows, from a 16-byte aligned column (past the end of A:
+          // zeros, never used).
+          stage_load<kLoadScales>("A scales", ring_sa + stage * (kStageScales / 4), &map_sa, &full[stage],
+                                  scale_box_col(t.m_abs), kt, 4, 128, kScaleBoxBytes, index);
           unsigned char* b = ring_b + stage * kStageB;
           if constexpr (kSwiGLU) {  // gate rows, then the matching up rows
-            tma_load_2d(b, &map_b, &full[stage], kt * kBK, b_row);
-            tma_load_2d(b + kStageB / 2, &map_b, &full[stage], kt * kBK, b_row + N);
+            stage_load<kLoadB>("B gate", b, &map_b, &full[stage], kt * kBK, b_row, 1, 1024, kStageB / 2, index);
+            stage_load<kLoadB>("B up", b + kStageB / 2, &map_b, &full[stage], kt * kBK, b_row + N, 1, 1024,
+                               kStageB / 2, index);
           } else {
-            tma_load_2d(b, &map_b, &full[stage], kt * kBK, b_row);
+            stage_load<kLoadB>("B", b, &map_b, &full[stage], kt * kBK, b_row, 1, 1024, kStageB, index);
           }
           if (++stage == kStages) {
             stage = 0;
@@ -256,16 +330,17 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         for (int kt = 0; kt < k_blocks; ++kt) {
           const float b_scale0 = __ldg(sb0 + kt), b_scale1 = __ldg(sb1 + kt);  // in flight during the wait
           mbarrier_wait(&full[stage], phase);
-          const float a_lo = ring_sa[stage * kBM + row], a_hi = ring_sa[stage * kBM + row + 8];
+          const float* sa = ring_sa + stage * (kStageScales / 4) + (t.m_abs - scale_box_col(t.m_abs));
+          const float a_lo = sa[row], a_hi = sa[row + 8];
           const unsigned char* a = ring_a + stage * kStageA + warpgroup * kHalfA;
           const unsigned char* b = ring_b + stage * kStageB;
-          k_block_mma(part, a, b);
+          k_block_mma<kMma>(part, a, b);
           if (!second_half) release(stage);
-          promote<0>(sum, part, a_lo * b_scale0, a_hi * b_scale0);
+          if constexpr (kMma) promote<0>(sum, part, a_lo * b_scale0, a_hi * b_scale0);  // (a probe: sum stays 0)
           if (second_half) {
-            k_block_mma(part, a, b + kHalfN * kBK);
+            k_block_mma<kMma>(part, a, b + kHalfN * kBK);
             release(stage);
-            promote<64>(sum, part, a_lo * b_scale1, a_hi * b_scale1);
+            if constexpr (kMma) promote<64>(sum, part, a_lo * b_scale1, a_hi * b_scale1);
           }
           advance();
         }

@@ -64,9 +64,9 @@ def _launch(variant: str, a, a_scales, b, b_scales, b_rows: int, C, c_scales, ex
     if M == 0:
         return  # no rows, no tiles (and a tensor map cannot have an empty dimension)
     device = cupy.cuda.runtime.getDevice()
-    fn, smem, threads, grid, b_box = _kernel(variant, device)
+    fn, smem, threads, grid, b_box, sa_box = _kernel(variant, device)
     map_a = _fp8_map(a.data.ptr, M, K, 64)
-    map_sa = _scales_map(a_scales.data.ptr, K // BLOCK, M, a_scales.shape[1])
+    map_sa = _scales_map(a_scales.data.ptr, K // BLOCK, M, a_scales.shape[1], sa_box)
     map_b = _fp8_map(b.data.ptr, b_rows, K, b_box)
     counter = _tile_counter(device, cupy.cuda.get_current_stream().ptr)
     c_ld = np.int64(0 if c_scales is None else c_scales.shape[1])
@@ -81,8 +81,10 @@ def _kernel(variant: str, device: int):
     fn, smem, threads = _gemm_kernel(variant, KERNEL, device)
     from epserve.runtime import kernels
 
-    b_box = module_int(kernels.module(variant), "epserve_gemm_b_box_rows")
-    return fn, smem, (threads,), (sm_count(device),), b_box
+    mod = kernels.module(variant)
+    b_box = module_int(mod, "epserve_gemm_b_box_rows")
+    sa_box = module_int(mod, "epserve_gemm_scale_box_cols")
+    return fn, smem, (threads,), (sm_count(device),), b_box, sa_box
 
 
 @functools.lru_cache(maxsize=256)
@@ -92,5 +94,8 @@ def _fp8_map(ptr: int, rows: int, cols: int, box_rows: int):
 
 
 @functools.lru_cache(maxsize=256)
-def _scales_map(ptr: int, k_blocks: int, rows: int, ld: int):
-    return launch_arg(tma.f32_rows_map(ptr, k_blocks, rows, ld, box_cols=128))
+def _scales_map(ptr: int, k_blocks: int, rows: int, ld: int, box_cols: int):
+    """A's scales [k_blocks, ld] over columns [0, rows): the kernel loads a tile's scales
+    from its first row rounded down to 4 (a TMA box's innermost start must be 16-byte
+    aligned), box_cols (its epserve_gemm_scale_box_cols: 132) at a time."""
+    return launch_arg(tma.f32_rows_map(ptr, k_blocks, rows, ld, box_cols=box_cols))

@@ -25,8 +25,13 @@ def fp8_rows_map(ptr: int, rows: int, cols: int, box_rows: int) -> np.ndarray:
 
 def f32_rows_map(ptr: int, rows: int, cols: int, ld: int, box_cols: int) -> np.ndarray:
     """A map over a row-major fp32 matrix [rows, cols] with a pitch of ld floats (ld * 4 a
-    multiple of 16), boxes of one row by box_cols columns, no swizzle: the FP8 GEMM's A
-    scales, one box the scales of a tile's rows for one k-block."""
+    multiple of 16), boxes of one row by box_cols columns (box_cols * 4 a multiple of 16), no
+    swizzle: the FP8 GEMM's A scales, one box the scales of a tile's rows for one k-block.
+    What no map can promise: the kernel's column coordinate must be a multiple of 4 (a
+    16-byte aligned start, see cuda/common/ptx.cuh's tma_load_2d)."""
+    if ld % 4 or (box_cols * 4) % 16 or not 0 < box_cols <= 256:
+        raise ValueError(f"fp32 map: pitch {ld} floats (a multiple of 4) and box of {box_cols} columns "
+                         "(a multiple of 4, at most 256) are what TMA takes")
     return _map_2d("FLOAT32", 4, ptr, rows, cols, ld * 4, 1, box_cols, swizzle_128b=False)
 
 

@@ -3,7 +3,14 @@ the FP8 GEMMs against the float64 oracle of the same quantized inputs
 (epserve/check/fp8_reference.py, relative error under 1e-2), GEMM 1's fused epilogue bit for
 bit against the unfused path (FP8 GEMM storing [M, 2I] bf16, the SwiGLU kernel, the row
 quantizer), reruns bit for bit, poisoned outputs (every row written, none past M), and
-GEMM 2's peer build scattering the null build's rows."""
+GEMM 2's peer build scattering the null build's rows. First, each diagnostic build of the
+FP8 GEMM in a process of its own (launch/jobs/probe_gemm_fp8.py), so that a fault names the
+part that made it (TMA loads, wgmma, or neither) and leaves this process's CUDA context whole."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,9 +22,26 @@ from epserve.check.testing import BF16
 pytestmark = pytest.mark.gpu
 
 # Ragged experts: empty ones, one row, tails at and around 64 (one warpgroup computes),
-# whole tiles, whole tiles plus a tail.
+# whole tiles, whole tiles plus a tail; they start at rows 0, 64, 129, 130, 130, 257, 385,
+# 514, 706, 769: every residue mod 4, which A's scale box (16-byte aligned starts) must handle.
 RAGGED = [64, 65, 1, 0, 127, 128, 129, 192, 63, 300]
 E4M3_NAN = 0x7F  # poison for e4m3 outputs
+ROOT = Path(__file__).resolve().parents[2]
+PROBE_JOB = ROOT / "launch" / "jobs" / "probe_gemm_fp8.py"
+
+
+@pytest.mark.parametrize("gemm", ["2", "1"])
+@pytest.mark.parametrize("probe", ["plumbing", "tma", "mma", "checked"])
+def test_fp8_diagnostic_builds_run(probe, gemm):
+    """The FP8 GEMM's diagnostic builds on the ragged rows, each in its own process:
+    plumbing (no TMA load, no wgmma) and tma (every load checked, no wgmma) write zeros,
+    mma (wgmma, no load) runs, checked (every load checked) matches the float64 oracle. The
+    first GPU run died with CUDA_ERROR_ILLEGAL_INSTRUCTION at the first launch, which the
+    ordinary tests below cannot place; these can."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cp = subprocess.run([sys.executable, str(PROBE_JOB), "--one", f"{probe}:{gemm}"], capture_output=True,
+                        text=True, timeout=600, env=env, cwd=ROOT)
+    assert cp.returncode == 0, f"probe {probe} (GEMM {gemm}) failed:\n{cp.stdout[-3000:]}\n{cp.stderr[-3000:]}"
 
 
 def _offsets(rows):
