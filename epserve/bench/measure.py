@@ -25,6 +25,9 @@ and library rows (BASELINES):
                     expert for both GEMMs with a CuPy elementwise SwiGLU between them, NCCL
                     back and a CuPy weighted sum (where ranks share a GPU: the host plan
                     and the IPC pull stand in for NCCL)
+    layer-torch     the same composition with torch._grouped_mm for both GEMMs, only where
+                    torch happens to be importable (it is never a dependency) and every rank
+                    has its own GPU
 
 Each path also runs once more, untimed, with its host waits and MPI calls counted
 (host_calls.py): the table's "host waits" and "MPI calls" columns.
@@ -43,19 +46,19 @@ from epserve.bench import arithmetic
 from epserve.bench.cublas import grouped_gemm_per_expert
 from epserve.bench.events import samples_ms
 from epserve.bench.host_calls import counting
-from epserve.bench.library_layer import LibraryLayer
+from epserve.bench.library_layer import LibraryLayer, torch_grouped_mm
 from epserve.comm.nccl import exchange_rows
 from epserve.ffn import gemm
 
 PATHS = ("gemm1", "gemm2", "fused", "unfused", "library", "dispatch-direct", "dispatch-nccl", "alltoall",
-         "layer-fused", "layer-unfused", "layer-library")
+         "layer-fused", "layer-unfused", "layer-library", "layer-torch")
 # path -> (its unfused baseline, its library baseline): a family compares with itself.
 _GEMM2 = ("unfused", "library")
 _DISPATCH = ("dispatch-nccl", "alltoall")
 _LAYER = ("layer-unfused", "layer-library")
 BASELINES = {"gemm1": (None, None), "gemm2": _GEMM2, "fused": _GEMM2, "unfused": _GEMM2, "library": _GEMM2,
              "dispatch-direct": _DISPATCH, "dispatch-nccl": _DISPATCH, "alltoall": _DISPATCH,
-             "layer-fused": _LAYER, "layer-unfused": _LAYER, "layer-library": _LAYER}
+             "layer-fused": _LAYER, "layer-unfused": _LAYER, "layer-library": _LAYER, "layer-torch": _LAYER}
 UNFUSED = {path: pair[0] for path, pair in BASELINES.items()}
 LIBRARY = {path: pair[1] for path, pair in BASELINES.items()}
 
@@ -133,7 +136,7 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
     C, C_lib = cupy.empty((M, H), BF16), cupy.empty((M, H), BF16)
     h_lib, act_lib = cupy.empty((M, 2 * I), BF16), cupy.empty((M, I), BF16)
     outs = {name: cupy.empty((T, H), BF16)
-            for name in ("fused", "unfused", "library", "layer-fused", "layer-unfused", "layer-library")}
+            for name in ("fused", "unfused", "library", "layer-fused", "layer-unfused", "layer-library", "layer-torch")}
 
     def unfused():
         gemm.grouped_gemm("null", act, w2, C, direct.expert_offsets, w2.shape[0], H, I)
@@ -147,6 +150,8 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
         comb.unfused(C_lib, plan, idx, w, out=outs["library"])
 
     library_layer = None if svc.nccl is None else LibraryLayer(svc.nccl, rank, svc.world, E, H, I, library_swiglu)
+    torch_layer = (LibraryLayer(svc.nccl, rank, svc.world, E, H, I, library_swiglu, use_torch=True)
+                   if svc.nccl is not None and torch_grouped_mm() is not None else None)
 
     def layer_library():
         if library_layer is not None:
@@ -173,6 +178,8 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
     }
     if svc.nccl is not None:
         runs["alltoall"] = _alltoall(svc.nccl, counts, rank, H)
+    if torch_layer is not None:
+        runs["layer-torch"] = lambda: torch_layer.forward(x, idx, w, w13, w2, outs["layer-torch"])
     paths = [p for p in PATHS if p in runs]
     samples, calls = {}, {}
     for path in paths:
@@ -197,6 +204,7 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
         "layer-fused": bitwise_wrong(outs["layer-fused"], outs["layer-unfused"]),
         "layer-unfused": None,
         "layer-library": tolerance_wrong(outs["layer-library"], outs["layer-unfused"]),
+        "layer-torch": tolerance_wrong(outs["layer-torch"], outs["layer-unfused"]) if torch_layer else None,
     }
     work = {
         "gemm1": arithmetic.gemm1_work(counts, H, I),
@@ -210,6 +218,7 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
         "layer-fused": arithmetic.layer_work(counts, H, I, dedup_dispatch=True),
         "layer-unfused": arithmetic.layer_work(counts, H, I, dedup_dispatch=nccl_path is not None),
         "layer-library": arithmetic.layer_work(counts, H, I, dedup_dispatch=False),
+        "layer-torch": arithmetic.layer_work(counts, H, I, dedup_dispatch=False),
     }
     return [PathResult(p, samples[p], work[p], None if wrong[p] is None else comm.allreduce(wrong[p]),
                        *_busiest_rank(comm, calls[p]))
