@@ -36,6 +36,7 @@ Each path also runs once more, untimed, with its host waits and MPI calls counte
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 
 import cupy
@@ -51,7 +52,7 @@ from epserve.comm.nccl import exchange_rows
 from epserve.ffn import gemm
 
 PATHS = ("gemm1", "gemm2", "fused", "unfused", "library", "dispatch-direct", "dispatch-nccl", "alltoall",
-         "layer-fused", "layer-unfused", "layer-library", "layer-torch")
+         "layer-fused", "layer-unfused", "layer-library", f"layer-torch, {T} tokens/rank")
 # path -> (its unfused baseline, its library baseline): a family compares with itself.
 _GEMM2 = ("unfused", "library")
 _DISPATCH = ("dispatch-nccl", "alltoall")
@@ -99,11 +100,21 @@ def bitwise_wrong(a, b) -> int:
     return int((a.view(np.uint16) != b.view(np.uint16)).sum())
 
 
-def tolerance_wrong(a, b) -> int:
-    """Elements of a outside bf16 tolerance of b (for paths that sum in another order)."""
+def tolerance_wrong(a, b, label: str = "") -> int:
+    """Elements of a outside bf16 tolerance of b (for paths that sum in another order). When
+    there are any, the worst one goes to stderr, so a reader can tell a library's rounding
+    from a wrong row."""
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     scale = float(cupy.sqrt(cupy.mean(b64 * b64))) if b.size else 0.0
-    return int((cupy.abs(a64 - b64) > 2e-2 * cupy.abs(b64) + 1e-2 * scale).sum())
+    excess = cupy.abs(a64 - b64) - (2e-2 * cupy.abs(b64) + 1e-2 * scale)
+    wrong = int((excess > 0).sum())
+    if wrong:
+        t, h = np.unravel_index(int(cupy.argmax(excess)), a.shape)
+        got, want = float(a64[t, h]), float(b64[t, h])
+        rows = int((excess > 0).any(axis=1).sum())
+        print(f"# {label}: {wrong} element(s) in {rows} row(s) beyond bf16 tolerance; worst [{t}, {h}]: "
+              f"{got:.6g} against {want:.6g} (output rms {scale:.4g})", file=sys.stderr, flush=True)
+    return wrong
 
 
 def dispatch_work(counts, hidden: int, dedup: bool) -> arithmetic.Work:
@@ -196,15 +207,16 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
         "gemm2": None,
         "fused": bitwise_wrong(outs["fused"], outs["unfused"]),
         "unfused": None,
-        "library": tolerance_wrong(outs["library"], outs["unfused"]),
+        "library": tolerance_wrong(outs["library"], outs["unfused"], f"library, {T} tokens/rank"),
         "dispatch-direct": sum(bitwise_wrong(getattr(direct, f), getattr(baseline, f))
                                for f in ("rows", "expert_offsets", "src_info")),
         "dispatch-nccl": None,
         "alltoall": None,
         "layer-fused": bitwise_wrong(outs["layer-fused"], outs["layer-unfused"]),
         "layer-unfused": None,
-        "layer-library": tolerance_wrong(outs["layer-library"], outs["layer-unfused"]),
-        "layer-torch": tolerance_wrong(outs["layer-torch"], outs["layer-unfused"]) if torch_layer else None,
+        "layer-library": tolerance_wrong(outs["layer-library"], outs["layer-unfused"], f"layer-library, {T} tokens/rank"),
+        "layer-torch": (tolerance_wrong(outs["layer-torch"], outs["layer-unfused"], f"layer-torch, {T} tokens/rank")
+                        if torch_layer else None),
     }
     work = {
         "gemm1": arithmetic.gemm1_work(counts, H, I),
