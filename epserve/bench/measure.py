@@ -52,7 +52,7 @@ from epserve.comm.nccl import exchange_rows
 from epserve.ffn import gemm
 
 PATHS = ("gemm1", "gemm2", "fused", "unfused", "library", "dispatch-direct", "dispatch-nccl", "alltoall",
-         "layer-fused", "layer-unfused", "layer-library", f"layer-torch, {T} tokens/rank")
+         "layer-fused", "layer-unfused", "layer-library", "layer-torch")
 # path -> (its unfused baseline, its library baseline): a family compares with itself.
 _GEMM2 = ("unfused", "library")
 _DISPATCH = ("dispatch-nccl", "alltoall")
@@ -214,7 +214,8 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
         "alltoall": None,
         "layer-fused": bitwise_wrong(outs["layer-fused"], outs["layer-unfused"]),
         "layer-unfused": None,
-        "layer-library": tolerance_wrong(outs["layer-library"], outs["layer-unfused"], f"layer-library, {T} tokens/rank"),
+        "layer-library": tolerance_wrong(outs["layer-library"], outs["layer-unfused"],
+                                         f"layer-library, {T} tokens/rank"),
         "layer-torch": (tolerance_wrong(outs["layer-torch"], outs["layer-unfused"], f"layer-torch, {T} tokens/rank")
                         if torch_layer else None),
     }
