@@ -78,6 +78,10 @@ class DirectDispatcher:
         self._chunk_arrive.view(np.uint64, (W * self._max_chunks,)).fill(0)
         self._chunk_ptrs = cupy.asarray(np.array(self._chunk_arrive.peer_ptrs, np.uint64))
         self._expected_chunk = cupy.zeros(W * self._max_chunks, np.uint64)
+        # The move kernel's count of finished blocks: its last block releases the dispatch
+        # and zeroes it. fuse_release=False launches the release kernel instead (timing).
+        self._done = cupy.zeros(1, np.uint32)
+        self.fuse_release = True
         cupy.cuda.runtime.deviceSynchronize()
         group.comm.Barrier()
         self._route_smem = ROUTE_WARPS * (self.E + W) * 4
@@ -147,8 +151,10 @@ class DirectDispatcher:
         self._layout((1,), (LAYOUT_THREADS,), (cfg, self.expert_offsets, self._base))
         self._move(move_grid, (MOVE_THREADS,), (x, t, topk_idx, self._tok_pos, self._slot_rank, cfg, self._base,
                                                 self.rows, self.src_info, self.expert_offsets, send_blocks,
-                                                self._chunk_ptrs, self._expected_chunk, self._max_chunks_arg))
-        self._release((1,), (RELEASE_THREADS,), (cfg, self._expected_chunk, self._max_chunks_arg))
+                                                self._chunk_ptrs, self._expected_chunk, self._max_chunks_arg,
+                                                self._done if self.fuse_release else _NULL))
+        if not self.fuse_release:
+            self._release((1,), (RELEASE_THREADS,), (cfg, self._expected_chunk, self._max_chunks_arg))
 
     def rows_received(self) -> int:
         """This call's row count, read on the host (waits for the stream): for the baselines
@@ -165,6 +171,13 @@ class DirectDispatcher:
         one). The rows returned are views of this dispatcher's buffers, valid until the next
         dispatch."""
         self.enqueue(x, topk_idx, rejected=input_error is not None)
+        # Everything the result needs is queued before the one host wait, so the GPU has
+        # nothing left to do after it: copies of expert_offsets and of src_info at capacity
+        # (sliced once the count is known), and the row count into pinned memory, which the
+        # error record's copy and wait in raise_pending cover.
+        offsets, src_info = self.expert_offsets.copy(), self.src_info.copy()
+        host = np.frombuffer(self._pinned, np.int32, 1)
+        self.expert_offsets[-1:].get(out=host, blocking=False)
         try:
             self.signals.raise_pending(self.rank)
         except EPServeError:
@@ -172,5 +185,5 @@ class DirectDispatcher:
                 raise
         if input_error is not None:
             raise input_error
-        M = self.rows_received()
-        return Dispatched(self.rows[:M], self.expert_offsets.copy(), self.src_info[:M].copy(), M)
+        M = int(host[0])
+        return Dispatched(self.rows[:M], offsets, src_info[:M], M)

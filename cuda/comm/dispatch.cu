@@ -16,7 +16,7 @@
 //                      order, then each other source's rows as their chunks arrive, with
 //                      src_info; each row is read once and stored to all its expert rows
 //   release            the promised rows per chunk move on; the dispatch buffers may take
-//                      the next call's rows
+//                      the next call's rows (the move kernel's last block, by default)
 //
 // No host looks between the kernels: the verdict is the same on every rank because it is
 // computed from the same count rows, and every later kernel reads it from the call status.
@@ -35,6 +35,7 @@ constexpr int kRouteWarps = kRouteThreads / 32;
 constexpr int kPublishThreads = 1024;  // route part 2: a thread per counter
 constexpr int kChunk = 32;             // tokens per warp-chunk in route
 constexpr int kMoveThreads = 256;      // send and expand: a warp per token row
+constexpr int kMaxTopK = 16;           // MoEConfig's limit (src_info packs the slot in 4 bits)
 
 constexpr int kLayoutThreads = EPSERVE_MAX_LOCAL_EXPERTS;
 
@@ -164,15 +165,31 @@ __device__ void route_totals(const int* __restrict__ topk_idx, int T, int input_
                              int* __restrict__ chunk_counts, int* __restrict__ bad_slot, int* totals, int* bad) {
   const int E = cfg.num_experts, W = cfg.world, k = cfg.top_k, width = E + W;
   const int chunks = (T + kChunk - 1) / kChunk;
-  for (int i = threadIdx.x; i < width; i += blockDim.x) {
-    int run = 0;
+  // The chunks split into `parts` runs, a thread per (counter, run), so the block's threads
+  // all load at once: each run's sum, then each run rewritten from the sum of the runs
+  // before it. partial[p * width + i]: run p's sum of counter i.
+  __shared__ int partial[kPublishThreads > EPSERVE_MAX_EXPERTS + EPSERVE_MAX_PEERS ? kPublishThreads
+                                                                                  : EPSERVE_MAX_EXPERTS + EPSERVE_MAX_PEERS];
+  const int parts = max(1, static_cast<int>(blockDim.x) / width), per = (chunks + parts - 1) / parts;
+  for (int x = threadIdx.x; x < parts * width; x += blockDim.x) {
+    const int p = x / width, i = x - p * width, end = min(chunks, (p + 1) * per);
+    int sum = 0;
 #pragma unroll 8
-    for (int c = 0; c < chunks; ++c) {
+    for (int c = p * per; c < end; ++c) sum += chunk_counts[c * width + i];
+    partial[x] = sum;
+  }
+  __syncthreads();
+  for (int x = threadIdx.x; x < parts * width; x += blockDim.x) {
+    const int p = x / width, i = x - p * width, end = min(chunks, (p + 1) * per);
+    int run = 0;
+    for (int q = 0; q < p; ++q) run += partial[q * width + i];
+#pragma unroll 8
+    for (int c = p * per; c < end; ++c) {
       const int v = chunk_counts[c * width + i];
       chunk_counts[c * width + i] = run;
       run += v;
     }
-    totals[i] = run;
+    if (p == parts - 1) totals[i] = run;
   }
   if (threadIdx.x == 0) {
     *bad = *bad_slot;
@@ -221,18 +238,27 @@ extern "C" __global__ void __launch_bounds__(kRouteThreads)
                                 const int* __restrict__ chunk_bases, int* __restrict__ tok_pos,
                                 int* __restrict__ slot_rank) {
   extern __shared__ int smem[];
+  // The chunk's expert ids, loaded at once (one round trip, not one per token); an id
+  // outside [-1, E) becomes -2 (route stopped the call; it must only stay in bounds here).
+  __shared__ short ids[kRouteWarps][kChunk * kMaxTopK];
   const int E = cfg.num_experts, W = cfg.world, k = cfg.top_k, e_loc = E / W, width = E + W;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int* mine = smem + warp * width;
+  short* chunk_ids = ids[warp];
   const int chunks = (T + kChunk - 1) / kChunk;
   for (int c = blockIdx.x * kRouteWarps + warp; c < chunks; c += gridDim.x * kRouteWarps) {
     for (int i = lane; i < width; i += 32) mine[i] = chunk_bases[c * width + i];
+    const int n = min(kChunk, T - c * kChunk) * k;
+    for (int i = lane; i < n; i += 32) {
+      const int e = topk_idx[c * kChunk * k + i];
+      chunk_ids[i] = static_cast<short>(e < -1 || e >= E ? -2 : e);
+    }
     __syncwarp();
     for (int tt = 0; tt < kChunk; ++tt) {
       const int t = c * kChunk + tt;
       if (t >= T) break;
-      const int e = lane < k ? topk_idx[t * k + lane] : -1;
-      const bool valid = e >= 0 && e < E;
+      const int e = lane < k ? chunk_ids[tt * k + lane] : -1;
+      const bool valid = e >= 0;
       const unsigned same = __match_any_sync(0xffffffffu, valid ? e : -1 - lane);
       int r = -1;
       if (valid) r = mine[e] + __popc(same & ((1u << lane) - 1));
@@ -340,6 +366,20 @@ extern "C" __global__ void __launch_bounds__(kLayoutThreads, 1)
   layout_from_table(cfg, cfg.count_table[cfg.rank], expert_offsets, base);
 }
 
+#ifdef EPSERVE_DISPATCH_STAMPS
+// Instrumentation for launch/jobs/time_dispatch.py only (a module built with this define):
+// per move block, the global timer at its start [0], when its warps were done with this
+// rank's own rows [1] (expand blocks), and when its last warp ended [2].
+constexpr int kStampBlocks = 2048;
+__device__ unsigned long long epserve_move_stamps[kStampBlocks * 3];
+__device__ __forceinline__ void move_stamp(int slot) {
+  if ((threadIdx.x & 31) == 0 && blockIdx.x < kStampBlocks)
+    atomicMax(&epserve_move_stamps[blockIdx.x * 3 + slot], globaltimer_ns());
+}
+#else
+__device__ __forceinline__ void move_stamp(int) {}
+#endif
+
 // Token rows per arrival counter: a sender counts the rows it has put into a destination's
 // token region per chunk of kArrivalChunk positions there (epserve/direct_dispatch.py
 // ARRIVAL_CHUNK), so the destination expands each chunk as soon as it is whole.
@@ -386,6 +426,7 @@ __device__ void send_tokens(const bf16_t* __restrict__ x, int T, const int* __re
     __syncwarp();
     if (pos >= 0) red_release_sys_add(chunk_arrive[lane] + rank * max_chunks + pos / kArrivalChunk, 1ull);
   }
+  move_stamp(2);
 }
 
 // Spin until *counter >= target; false when the call failed meanwhile (another warp's wait
@@ -430,9 +471,11 @@ __device__ void expand_tokens(const bf16_t* __restrict__ x, int T, const int* __
   __syncthreads();
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   int have = -1;  // the (source, chunk) whose arrival this warp has seen, as s * max_chunks + c
+  bool own = true;
   for (int i = block * warps + (threadIdx.x >> 5); i < first[W - 1]; i += grid * warps) {
     int s, t, m = -1;
     const uint4* src;
+    if (own && i >= T) own = false, move_stamp(1);
     if (i < T) {  // this rank's own token i
       s = rank, t = i;
       const int e = lane < k ? topk_idx[t * k + lane] : -1;
@@ -470,35 +513,16 @@ __device__ void expand_tokens(const bf16_t* __restrict__ x, int T, const int* __
     copy_row_to_many(dst, rows, src, H / 8, lane);
     if (m >= 0) src_info[m] = (s << 24) | (t << 4) | lane;
   }
+  if (own) move_stamp(1);
+  move_stamp(2);
 }
 
-// send and expand in one launch, so expansion overlaps arrival: blocks [0, send_blocks)
-// send this rank's tokens to the other ranks, the rest expand this rank's own tokens and
-// then what arrives, each warp waiting only for the chunk of the row in hand. The host sizes
-// the grid to fit on the GPU at once, and the send blocks come first, so expand blocks that
-// wait for a peer never hold SMs this rank's send needs (the peer's expand waits for it).
-// chunk_arrive[d]: rank d's arrival counters [W][max_chunks], by sender and chunk;
-// expected_chunk: this rank's own [W][max_chunks], what the earlier calls promised.
-extern "C" __global__ void __launch_bounds__(kMoveThreads)
-    epserve_dispatch_move(const bf16_t* __restrict__ x, int T, const int* __restrict__ topk_idx,
-                          const int* __restrict__ tok_pos, const int* __restrict__ slot_rank, const DispatchConfig cfg,
-                          const int* __restrict__ base, bf16_t* __restrict__ a, int* __restrict__ src_info,
-                          int* __restrict__ expert_offsets, int send_blocks,
-                          unsigned long long* const* __restrict__ chunk_arrive,
-                          const unsigned long long* __restrict__ expected_chunk, int max_chunks) {
-  if (static_cast<int>(blockIdx.x) < send_blocks)
-    send_tokens(x, T, topk_idx, tok_pos, slot_rank, cfg, chunk_arrive, max_chunks, blockIdx.x, send_blocks);
-  else
-    expand_tokens(x, T, topk_idx, slot_rank, cfg, base, a, src_info, expert_offsets, chunk_arrive[cfg.rank],
-                  expected_chunk, max_chunks, blockIdx.x - send_blocks, gridDim.x - send_blocks);
-}
-
-// Last kernel of every dispatch, stopped or not: the token regions and the count table may
-// take the next call, and this rank's epoch (ready[rank]) moves on. The rows each chunk of
-// each other source was promised move on only when rows were sent, that is, unless the
-// verdict stopped the call. One block.
-extern "C" __global__ void epserve_dispatch_release(const DispatchConfig cfg,
-                                                    unsigned long long* __restrict__ expected_chunk, int max_chunks) {
+// The end of every dispatch, stopped or not, by one block: the token regions and the count
+// table may take the next call, and this rank's epoch (ready[rank]) moves on. The rows each
+// chunk of each other source was promised move on only when rows were sent, that is, unless
+// the verdict stopped the call.
+__device__ void release_dispatch(const DispatchConfig& cfg, unsigned long long* __restrict__ expected_chunk,
+                                 int max_chunks) {
   const int E = cfg.num_experts, W = cfg.world, row = E + W + 1, rank = cfg.rank;
   if (!call_stopped(cfg.status)) {
     const int* table = cfg.count_table[rank];
@@ -509,6 +533,51 @@ extern "C" __global__ void epserve_dispatch_release(const DispatchConfig cfg,
   }
   __syncthreads();  // every read of the count table is done before the peers may overwrite it
   if (threadIdx.x < W) red_release_sys_add(cfg.ready[threadIdx.x] + rank, 1ull);
+}
+
+// send and expand in one launch, so expansion overlaps arrival: blocks [0, send_blocks)
+// send this rank's tokens to the other ranks, the rest expand this rank's own tokens and
+// then what arrives, each warp waiting only for the chunk of the row in hand. The host sizes
+// the grid to fit on the GPU at once, and the send blocks come first, so expand blocks that
+// wait for a peer never hold SMs this rank's send needs (the peer's expand waits for it).
+// chunk_arrive[d]: rank d's arrival counters [W][max_chunks], by sender and chunk;
+// expected_chunk: this rank's own [W][max_chunks], what the earlier calls promised. With
+// `done` (a zeroed counter, left zero), the last block to finish releases the dispatch
+// (release_dispatch) and no release kernel follows; without it the release kernel must.
+extern "C" __global__ void __launch_bounds__(kMoveThreads)
+    epserve_dispatch_move(const bf16_t* __restrict__ x, int T, const int* __restrict__ topk_idx,
+                          const int* __restrict__ tok_pos, const int* __restrict__ slot_rank, const DispatchConfig cfg,
+                          const int* __restrict__ base, bf16_t* __restrict__ a, int* __restrict__ src_info,
+                          int* __restrict__ expert_offsets, int send_blocks,
+                          unsigned long long* const* __restrict__ chunk_arrive,
+                          unsigned long long* __restrict__ expected_chunk, int max_chunks, unsigned* __restrict__ done) {
+#ifdef EPSERVE_DISPATCH_STAMPS
+  if (threadIdx.x == 0 && blockIdx.x < kStampBlocks) epserve_move_stamps[blockIdx.x * 3] = globaltimer_ns();
+#endif
+  if (static_cast<int>(blockIdx.x) < send_blocks)
+    send_tokens(x, T, topk_idx, tok_pos, slot_rank, cfg, chunk_arrive, max_chunks, blockIdx.x, send_blocks);
+  else
+    expand_tokens(x, T, topk_idx, slot_rank, cfg, base, a, src_info, expert_offsets, chunk_arrive[cfg.rank],
+                  expected_chunk, max_chunks, blockIdx.x - send_blocks, gridDim.x - send_blocks);
+  if (done == nullptr) return;
+  __shared__ int last;
+  __syncthreads();  // this block's reads of the token regions and the count table are done
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(done, 1u) == gridDim.x - 1;
+    if (last) {
+      __threadfence();
+      *done = 0;  // every block has counted: ready for the next call
+    }
+  }
+  __syncthreads();
+  if (last) release_dispatch(cfg, expected_chunk, max_chunks);
+}
+
+// The release on its own, when the move kernel ran without `done`. One block.
+extern "C" __global__ void epserve_dispatch_release(const DispatchConfig cfg,
+                                                    unsigned long long* __restrict__ expected_chunk, int max_chunks) {
+  release_dispatch(cfg, expected_chunk, max_chunks);
 }
 
 // ---- The NCCL transport, planned on the device (epserve/nccl_dispatch.py) -------------------

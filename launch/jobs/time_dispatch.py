@@ -11,9 +11,13 @@ times, the slowest rank reported:
             behind an untimed one, so the ranks start it together; the time from each
             kernel's launch to the next one's is that kernel's share (a kernel that waits for
             a peer, layout for the count rows, move for the token rows, includes the wait)
-and, where the dispatcher has them (send_blocks_max, expand_blocks), the same per kernel for
-each move grid in --grids (send blocks : expand blocks). After every configuration the rows,
-expert_offsets and src_info must equal the NCCL dispatch's bit for bit (#wrong, summed over
+and, where the dispatcher has them (send_blocks_max, expand_blocks, fuse_release), the same
+per kernel for each move grid in --grids (send blocks : expand blocks) and with the release
+kernel instead of the move kernel's last block; then the move kernel's phases, from a build
+with EPSERVE_DISPATCH_STAMPS (global-timer stamps per block): when the sends end, when this
+rank's own rows are expanded, when the expansion ends. After every configuration the rows,
+expert_offsets and src_info must equal the host plan's (epserve/layout.py, moved by the
+baseline dispatcher) bit for bit, and so must the NCCL dispatch's (#wrong, summed over
 ranks). Prints a table on rank 0; exits 1 when anything differs."""
 
 from __future__ import annotations
@@ -79,8 +83,41 @@ def kernel_ms(comm, d, x, idx, iters: int) -> dict:
     finally:
         for attr, fn in saved.items():
             setattr(d, attr, fn)
-    med = {name: float(np.median(v)) for name, v in per.items()}
+    med = {name: float(np.median(v)) if v else 0.0 for name, v in per.items()}
     return {name: comm.allreduce(ms, op=MPI.MAX) for name, ms in med.items()}
+
+
+def move_phases(comm, d, x, idx, T: int, iters: int) -> dict:
+    """From a move kernel built with EPSERVE_DISPATCH_STAMPS: microseconds from the first
+    block's start to the last send block's end, to the last expand block done with this
+    rank's own rows, and to the last expand block's end; medians, the slowest rank."""
+    from epserve.build import load_module
+
+    mod = load_module("comm/dispatch.cu", {"EPSERVE_DISPATCH_STAMPS": 1})
+    ptr = mod.get_global("epserve_move_stamps")
+    stamps = cupy.ndarray((2048, 3), cupy.uint64, memptr=ptr)
+    send = max(1, min(d.send_blocks_max, (T + 7) // 8))
+    grid = send + d.expand_blocks
+    saved = d._move
+    d._move = mod.get_function("epserve_dispatch_move")
+    out = {"send end": [], "own rows done": [], "expand end": [], "median send block end": []}
+    try:
+        for _ in range(iters):
+            cupy.cuda.runtime.deviceSynchronize()
+            comm.Barrier()
+            d.enqueue(x, idx)
+            stamps.fill(0)
+            d.enqueue(x, idx)
+            cupy.cuda.runtime.deviceSynchronize()
+            st = cupy.asnumpy(stamps[:grid]).astype(np.int64)
+            t0 = st[:, 0].min()
+            out["send end"].append((st[:send, 2].max() - t0) / 1e3)
+            out["median send block end"].append((np.median(st[:send, 2]) - t0) / 1e3)
+            out["own rows done"].append((st[send:, 1].max() - t0) / 1e3)
+            out["expand end"].append((st[send:, 2].max() - t0) / 1e3)
+    finally:
+        d._move = saved
+    return {name: comm.allreduce(float(np.median(v)), op=MPI.MAX) for name, v in out.items()}
 
 
 def wrong_bits(direct, ref) -> int:
@@ -143,9 +180,16 @@ def main():
             for spec in filter(None, args.grids.split(",")):
                 s, e = (int(v) for v in spec.split(":"))
                 grids.append((f"{s}:{e}", (s, e)))
+        if hasattr(d, "fuse_release"):
+            grids.append(("default, release kernel", "unfused"))
         default = (getattr(d, "send_blocks_max", None), getattr(d, "expand_blocks", None))
         for label, grid in grids:
-            if grid is not None:
+            if grid == "unfused":
+                d.send_blocks_max, d.expand_blocks = default
+                d._shapes.clear()
+                d.fuse_release = False
+                wrong = check(label)
+            elif grid is not None:
                 d.send_blocks_max, d.expand_blocks = grid
                 d._shapes.clear()
                 wrong = check(label)
@@ -154,6 +198,10 @@ def main():
         if default[0] is not None:
             d.send_blocks_max, d.expand_blocks = default
             d._shapes.clear()
+        if hasattr(d, "fuse_release"):
+            d.fuse_release = True
+            check("default again")
+        phases = move_phases(comm, d, x, idx, T, args.iters) if hasattr(d, "send_blocks_max") else None
         svc.check()
         M = int(ref[1][-1])
         sent = int(cupy.count_nonzero(d._tok_pos[:T] >= 0)) if hasattr(d, "_tok_pos") else 0
@@ -168,6 +216,9 @@ def main():
             for label, ms, wr in rows:
                 print(f"{label:<22}" + "".join(f"{ms[n] * 1e3:>14.1f}" for n in names) + f"{wr:>8}")
             print("# times in us; each kernel's is from its launch to the next kernel's on the stream")
+            if phases:
+                print("move, default grid, from its first block's start (us): "
+                      + ", ".join(f"{name} {v:.1f}" for name, v in phases.items()))
     return 1 if bad else 0
 
 
