@@ -232,7 +232,12 @@ extern "C" __global__ void __launch_bounds__(kPublishThreads, 1)
 
 // route, part 3, over many CTAs: in (token, slot) order within each chunk, from its base,
 // each slot's rank among its expert's rows from this source, and each token's position among
-// the tokens going to each destination. Dynamic shared memory as part 1.
+// the tokens going to each destination. A warp per chunk, a lane per token: a slot's rank is
+// its expert's base plus the chunk's earlier tokens that chose that expert, a popcount of a
+// per-expert mask of lanes (the warp's shared memory, every lane setting its experts' bits),
+// and a token's position the same over a ballot per destination; a chunk where some token
+// names an expert twice takes the token-by-token path instead, with the bases in the same
+// shared memory. Dynamic shared memory as part 1; the masks are zero between chunks.
 extern "C" __global__ void __launch_bounds__(kRouteThreads)
     epserve_dispatch_route_rank(const int* __restrict__ topk_idx, int T, const DispatchConfig cfg,
                                 const int* __restrict__ chunk_bases, int* __restrict__ tok_pos,
@@ -243,25 +248,59 @@ extern "C" __global__ void __launch_bounds__(kRouteThreads)
   __shared__ short ids[kRouteWarps][kChunk * kMaxTopK];
   const int E = cfg.num_experts, W = cfg.world, k = cfg.top_k, e_loc = E / W, width = E + W;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  int* mine = smem + warp * width;
+  const unsigned before = (1u << lane) - 1;  // the lanes of the chunk's earlier tokens
+  int* mine = smem + warp * width;           // the token-by-token path's running bases
+  unsigned* masks = reinterpret_cast<unsigned*>(mine);  // per expert: the lanes whose token chose it
   short* chunk_ids = ids[warp];
+  for (int i = lane; i < E; i += 32) masks[i] = 0;  // each use clears what it set
   const int chunks = (T + kChunk - 1) / kChunk;
   for (int c = blockIdx.x * kRouteWarps + warp; c < chunks; c += gridDim.x * kRouteWarps) {
-    for (int i = lane; i < width; i += 32) mine[i] = chunk_bases[c * width + i];
+    const int* bases = chunk_bases + c * width;
     const int n = min(kChunk, T - c * kChunk) * k;
     for (int i = lane; i < n; i += 32) {
       const int e = topk_idx[c * kChunk * k + i];
       chunk_ids[i] = static_cast<short>(e < -1 || e >= E ? -2 : e);
     }
     __syncwarp();
-    for (int tt = 0; tt < kChunk; ++tt) {
+    const int t = c * kChunk + lane;
+    const bool live = t < T;
+    const short* row = chunk_ids + lane * k;
+    bool twice = false;  // this token names an expert twice
+    for (int j = 1; live && j < k; ++j)
+      for (int q = 0; q < j; ++q) twice |= row[j] >= 0 && row[q] == row[j];
+    if (!__any_sync(0xffffffffu, twice)) {
+      unsigned dests = 0;
+      for (int j = 0; live && j < k; ++j) {
+        const int e = row[j];
+        if (e < 0) continue;
+        atomicOr(&masks[e], 1u << lane);
+        dests |= 1u << (e / e_loc);
+      }
+      __syncwarp();
+      for (int j = 0; live && j < k; ++j) {
+        const int e = row[j];
+        slot_rank[t * k + j] = e >= 0 ? bases[e] + __popc(masks[e] & before) : -1;
+      }
+      for (int d = 0; d < W; ++d) {
+        const unsigned to_d = __ballot_sync(0xffffffffu, dests >> d & 1);
+        if (live) tok_pos[t * W + d] = dests >> d & 1 ? bases[E + d] + __popc(to_d & before) : -1;
+      }
+      __syncwarp();
+      for (int j = 0; live && j < k; ++j)
+        if (row[j] >= 0) masks[row[j]] = 0;
+      __syncwarp();
+      continue;
+    }
+    for (int i = lane; i < width; i += 32) mine[i] = bases[i];
+    __syncwarp();
+    for (int tt = 0; tt < kChunk; ++tt) {  // token by token: the slots of one expert in slot order
       const int t = c * kChunk + tt;
       if (t >= T) break;
       const int e = lane < k ? chunk_ids[tt * k + lane] : -1;
       const bool valid = e >= 0;
       const unsigned same = __match_any_sync(0xffffffffu, valid ? e : -1 - lane);
       int r = -1;
-      if (valid) r = mine[e] + __popc(same & ((1u << lane) - 1));
+      if (valid) r = mine[e] + __popc(same & before);
       if (lane < k) slot_rank[t * k + lane] = r;
       const unsigned leader = __ffs(same) - 1;
       __syncwarp();
@@ -272,6 +311,8 @@ extern "C" __global__ void __launch_bounds__(kRouteThreads)
       }
       __syncwarp();
     }
+    for (int i = lane; i < E; i += 32) masks[i] = 0;
+    __syncwarp();
   }
 }
 

@@ -202,6 +202,15 @@ def main():
             d.fuse_release = True
             check("default again")
         phases = move_phases(comm, d, x, idx, T, args.iters) if hasattr(d, "send_blocks_max") else None
+        # A routing the bench never draws: some tokens name an expert twice (route_rank's
+        # token-by-token path), some slots unused.
+        odd = idx.copy()
+        odd[::5, 1] = odd[::5, 0]
+        odd[::3, k - 1] = -1
+        plan = svc._host_plan(odd)
+        odd_wrong = comm.allreduce(wrong_bits(svc.dispatch(x, odd, w, "direct"),
+                                              (svc.baseline.dispatch(x, plan), plan.expert_offsets, plan.src_info)))
+        bad += odd_wrong
         svc.check()
         M = int(ref[1][-1])
         sent = int(cupy.count_nonzero(d._tok_pos[:T] >= 0)) if hasattr(d, "_tok_pos") else 0
@@ -216,6 +225,7 @@ def main():
             for label, ms, wr in rows:
                 print(f"{label:<22}" + "".join(f"{ms[n] * 1e3:>14.1f}" for n in names) + f"{wr:>8}")
             print("# times in us; each kernel's is from its launch to the next kernel's on the stream")
+            print(f"routing with repeated experts and unused slots: #wrong {odd_wrong}")
             if phases:
                 print("move, default grid, from its first block's start (us): "
                       + ", ".join(f"{name} {v:.1f}" for name, v in phases.items()))
