@@ -422,7 +422,7 @@ __device__ __forceinline__ void move_stamp(int) {}
 #endif
 
 // Token rows per arrival counter: a sender counts the rows it has put into a destination's
-// token region per chunk of kArrivalChunk positions there (epserve/direct_dispatch.py
+// token region per chunk of kArrivalChunk positions there (epserve/dispatch/direct.py
 // ARRIVAL_CHUNK), so the destination expands each chunk as soon as it is whole.
 constexpr int kArrivalChunk = 32;
 

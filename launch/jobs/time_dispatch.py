@@ -16,7 +16,7 @@ per kernel for each move grid in --grids (send blocks : expand blocks) and with 
 kernel instead of the move kernel's last block; then the move kernel's phases, from a build
 with EPSERVE_DISPATCH_STAMPS (global-timer stamps per block): when the sends end, when this
 rank's own rows are expanded, when the expansion ends. After every configuration the rows,
-expert_offsets and src_info must equal the host plan's (epserve/layout.py, moved by the
+expert_offsets and src_info must equal the host plan's (epserve/dispatch/host_plan.py, moved by the
 baseline dispatcher) bit for bit, and so must the NCCL dispatch's (#wrong, summed over
 ranks). Prints a table on rank 0; exits 1 when anything differs."""
 
@@ -31,10 +31,10 @@ import numpy as np
 from mpi4py import MPI
 
 from epserve import EPService, MoEConfig
-from epserve import comm as ep_comm
 from epserve.arrays import BF16
 from epserve.bench import presets
 from epserve.bench.events import samples_ms
+from epserve.comm import mpi as ep_comm
 
 KERNELS = (("route_count", "_count"), ("route_publish", "_publish"), ("route_rank", "_rank"),
            ("layout", "_layout"), ("move", "_move"), ("release", "_release"))
@@ -91,7 +91,7 @@ def move_phases(comm, d, x, idx, T: int, iters: int) -> dict:
     """From a move kernel built with EPSERVE_DISPATCH_STAMPS: microseconds from the first
     block's start to the last send block's end, to the last expand block done with this
     rank's own rows, and to the last expand block's end; medians, the slowest rank."""
-    from epserve.build import load_module
+    from epserve.runtime.build import load_module
 
     mod = load_module("comm/dispatch.cu", {"EPSERVE_DISPATCH_STAMPS": 1})
     ptr = mod.get_global("epserve_move_stamps")
@@ -153,7 +153,7 @@ def main():
         rs = cupy.random.RandomState(args.seed + 1000 * rank)
         x = rs.standard_normal((T, H), dtype=np.float32).astype(BF16)
         w = rs.uniform(0.05, 1.0, (T, k), dtype=np.float32)
-        # The reference: the host plan (epserve/layout.py) and its row move, which share no
+        # The reference: the host plan (epserve/dispatch/host_plan.py) and its row move, which share no
         # kernel with the direct dispatch; the NCCL dispatch must give it too.
         plan = svc._host_plan(idx)
         ref = (svc.baseline.dispatch(x, plan), plan.expert_offsets, plan.src_info)
