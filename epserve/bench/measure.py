@@ -101,20 +101,28 @@ def bitwise_wrong(a, b) -> int:
 
 
 def tolerance_wrong(a, b, label: str = "") -> int:
-    """Elements of a outside bf16 tolerance of b (for paths that sum in another order). When
-    there are any, the worst one goes to stderr, so a reader can tell a library's rounding
-    from a wrong row."""
+    """Elements of a in rows whose relative error against b exceeds 1e-2 (the bf16 oracle:
+    ||a_t - b_t|| <= 1e-2 ||b_t||, with a floor of 1e-3 of the output's rms for rows near
+    zero), for paths whose GEMMs sum in another order. A misrouted token, a wrong expert or
+    weight puts its whole row near relative error 1; rounding in another order stays near
+    2^-8. Compared element by element instead, a library's GEMMs put a few of millions of
+    elements past any fixed elementwise bound. The worst row goes to stderr when any fails."""
+    if a.shape != b.shape:
+        return max(a.size, b.size)
+    if b.size == 0:
+        return 0
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
-    scale = float(cupy.sqrt(cupy.mean(b64 * b64))) if b.size else 0.0
-    excess = cupy.abs(a64 - b64) - (2e-2 * cupy.abs(b64) + 1e-2 * scale)
-    wrong = int((excess > 0).sum())
-    if wrong:
-        t, h = np.unravel_index(int(cupy.argmax(excess)), a.shape)
-        got, want = float(a64[t, h]), float(b64[t, h])
-        rows = int((excess > 0).any(axis=1).sum())
-        print(f"# {label}: {wrong} element(s) in {rows} row(s) beyond bf16 tolerance; worst [{t}, {h}]: "
-              f"{got:.6g} against {want:.6g} (output rms {scale:.4g})", file=sys.stderr, flush=True)
-    return wrong
+    H = b.shape[-1]
+    rms = float(cupy.sqrt(cupy.mean(b64 * b64)))
+    err = cupy.sqrt(cupy.sum((a64 - b64) ** 2, axis=-1))
+    ref = cupy.sqrt(cupy.sum(b64 * b64, axis=-1))
+    rel = err / cupy.maximum(ref, 1e-3 * rms * np.sqrt(H) + 1e-30)
+    bad = int((rel > 1e-2).sum())
+    if bad:
+        t = int(cupy.argmax(rel))
+        print(f"# {label}: {bad} row(s) past relative error 1e-2; worst row {t}: {float(rel[t]):.3g}",
+              file=sys.stderr, flush=True)
+    return bad * H
 
 
 def dispatch_work(counts, hidden: int, dedup: bool) -> arithmetic.Work:
