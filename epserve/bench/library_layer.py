@@ -67,9 +67,9 @@ def torch_grouped_mm():
 
 
 class LibraryLayer:
-    def __init__(self, nccl_comm, rank: int, world: int, num_experts: int, hidden: int, intermediate: int,
-                 swiglu, use_torch: bool = False):
-        self.nccl, self.rank, self.world = nccl_comm, rank, world
+    def __init__(self, nccl_comm, world: int, num_experts: int, hidden: int, intermediate: int, swiglu,
+                 use_torch: bool = False):
+        self.nccl, self.world = nccl_comm, world
         self.E, self.H, self.I = num_experts, hidden, intermediate
         self.e_loc = num_experts // world
         self.swiglu = swiglu  # (h [M, 2I], act [M, I], I) -> None: the CuPy elementwise SwiGLU

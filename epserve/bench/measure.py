@@ -168,8 +168,8 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
         grouped_gemm_per_expert(act, w2, C_lib, offsets_host)
         comb.unfused(C_lib, plan, idx, w, out=outs["library"])
 
-    library_layer = None if svc.nccl is None else LibraryLayer(svc.nccl, rank, svc.world, E, H, I, library_swiglu)
-    torch_layer = (LibraryLayer(svc.nccl, rank, svc.world, E, H, I, library_swiglu, use_torch=True)
+    library_layer = None if svc.nccl is None else LibraryLayer(svc.nccl, svc.world, E, H, I, library_swiglu)
+    torch_layer = (LibraryLayer(svc.nccl, svc.world, E, H, I, library_swiglu, use_torch=True)
                    if svc.nccl is not None and torch_grouped_mm() is not None else None)
 
     def layer_library():
