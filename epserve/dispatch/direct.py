@@ -21,6 +21,7 @@ from epserve.comm import signals as sig
 from epserve.errors import EPServeError
 from epserve.runtime import kernels
 from epserve.runtime.kernel_structs import MAX_LOCAL_EXPERTS, i32, launch_arg, pack_dispatch_config, u64
+from epserve.runtime.launch import LaunchSequence
 
 INPUT_REJECTED = 100  # EPSERVE_INPUT_REJECTED: the code a rank puts in its count row when its own input failed
 
@@ -107,6 +108,9 @@ class DirectDispatcher:
         self._max_chunks_arg = i32(self._max_chunks)
         self._pinned = cupy.cuda.alloc_pinned_memory(4)
         self._shapes = {}  # (T, rejected) -> the launches' grids and int arguments
+        # The launches, prepared once per (T, rejected): a call rewrites only x and topk_idx.
+        # launch/jobs/time_dispatch.py sets launches.prepared = False to wrap each kernel.
+        self.launches = LaunchSequence()
 
     def _launch_shape(self, T: int, rejected: bool) -> tuple:
         """What the launches of a call with T tokens take besides the pointers, made once per T."""
@@ -143,18 +147,22 @@ class DirectDispatcher:
         t, code, route_grid, move_grid, send_blocks = self._launch_shape(T, rejected)
         if T == 0:
             x = topk_idx = _NULL  # a null pointer (an empty array's may be anything)
-        self._count(route_grid, (ROUTE_THREADS,), (topk_idx, t, cfg, self._chunk_counts, self._bad_slot),
-                    shared_mem=self._route_smem)
-        self._publish((1,), (PUBLISH_THREADS,), (topk_idx, t, code, cfg, self._chunk_counts, self._bad_slot))
-        self._rank(route_grid, (ROUTE_THREADS,), (topk_idx, t, cfg, self._chunk_counts, self._tok_pos,
-                                                  self._slot_rank), shared_mem=self._route_smem)
-        self._layout((1,), (LAYOUT_THREADS,), (cfg, self.expert_offsets, self._base))
-        self._move(move_grid, (MOVE_THREADS,), (x, t, topk_idx, self._tok_pos, self._slot_rank, cfg, self._base,
-                                                self.rows, self.src_info, self.expert_offsets, send_blocks,
-                                                self._chunk_ptrs, self._expected_chunk, self._max_chunks_arg,
-                                                self._done if self.fuse_release else _NULL))
+        specs = [
+            (self._count, route_grid, (ROUTE_THREADS,), (topk_idx, t, cfg, self._chunk_counts, self._bad_slot),
+             self._route_smem),
+            (self._publish, (1,), (PUBLISH_THREADS,), (topk_idx, t, code, cfg, self._chunk_counts, self._bad_slot), 0),
+            (self._rank, route_grid, (ROUTE_THREADS,), (topk_idx, t, cfg, self._chunk_counts, self._tok_pos,
+                                                        self._slot_rank), self._route_smem),
+            (self._layout, (1,), (LAYOUT_THREADS,), (cfg, self.expert_offsets, self._base), 0),
+            (self._move, move_grid, (MOVE_THREADS,), (x, t, topk_idx, self._tok_pos, self._slot_rank, cfg, self._base,
+                                                      self.rows, self.src_info, self.expert_offsets, send_blocks,
+                                                      self._chunk_ptrs, self._expected_chunk, self._max_chunks_arg,
+                                                      self._done if self.fuse_release else _NULL), 0),
+        ]
         if not self.fuse_release:
-            self._release((1,), (RELEASE_THREADS,), (cfg, self._expected_chunk, self._max_chunks_arg))
+            specs.append((self._release, (1,), (RELEASE_THREADS,), (cfg, self._expected_chunk, self._max_chunks_arg),
+                          0))
+        self.launches.run((T, rejected), specs)
 
     def rows_received(self) -> int:
         """This call's row count, read on the host (waits for the stream): for the baselines
