@@ -6,6 +6,7 @@
 #   bash launch/gpu_cycle.sh test run          # ~4-5 min on two H200s
 #   bash launch/gpu_cycle.sh bench fuzz soak   # ~5-6 min
 #   bash launch/gpu_cycle.sh timing            # the GEMMs and the one-GPU combine, ~1 min
+#   bash launch/gpu_cycle.sh profile           # ncu: the wgmma GEMMs' L2/DRAM bytes per build, ~2 min
 # bench runs one rank per GPU (on one GPU: one rank, no link); run, fuzz and soak take two
 # ranks, sharing the GPU where there is one.
 set -uo pipefail
@@ -41,7 +42,13 @@ for s in "$@"; do
         fuzz)  stage fuzz "^# fuzz|^FAIL" make fuzz COUNT=500 ;;
         soak)  stage soak "^# soak" make soak CALLS=1000 ;;
         sanitize) stage sanitize "^== |SUMMARY" make sanitize ;;
-        *) echo "unknown stage $s (test run timing bench fuzz soak sanitize)"; status=1 ;;
+        # Where the wgmma GEMMs' bytes come from, per build: L2 reads and writes, DRAM reads,
+        # with the SpeedOfLight section (issue 12: is a CTA pair's multicast cutting L2 reads?).
+        profile) stage profile "epserve_grouped|lts__|dram__|Throughput|Duration" env PYTHONPATH=. ncu --clock-control none \
+                   --kernel-name regex:epserve_grouped_gemm_wgmma --section SpeedOfLight --metrics \
+lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,dram__bytes_read.sum \
+                   python3 launch/jobs/time_gemm.py --variants --routing balanced --skip-cublas --warmup 1 --iters 1 ;;
+        *) echo "unknown stage $s (test run timing bench fuzz soak sanitize profile)"; status=1 ;;
     esac
 done
 exit $status

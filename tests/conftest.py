@@ -36,6 +36,18 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "mpi: starts several ranks under mpiexec")
 
 
+def pytest_collection_finish(session):
+    # MPI initialised in the pytest process (a test module importing mpi4py.MPI) makes Open
+    # MPI's mpiexec fail, exit 1 with no output, for every job a later test launches: say so
+    # here rather than in two dozen unexplained failures.
+    import sys
+
+    if "mpi4py.MPI" in sys.modules:
+        raise pytest.UsageError("a test module imported mpi4py.MPI while being collected; under Open MPI every "
+                                "job a test launches would then fail with no output. Import it inside the "
+                                "launched job, or use a stand-in communicator")
+
+
 @pytest.hookimpl(trylast=True)  # after -m/-k deselection: probe only for tests that will run
 def pytest_collection_modifyitems(config, items):
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]

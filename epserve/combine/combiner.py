@@ -26,6 +26,7 @@ from epserve.comm.nccl import exchange_rows
 from epserve.dispatch.device_plan import DevicePlan
 from epserve.ffn import gemm
 from epserve.runtime.kernel_structs import launch_arg, pack_peer_pointers, pack_peer_send_config
+from epserve.runtime.launch import LaunchSequence
 
 
 class Combiner:
@@ -48,6 +49,7 @@ class Combiner:
         self._ready_table = launch_arg(pack_peer_pointers([signals.peer(d, sig.READY) for d in range(self.world)]))
         self.epoch = 0  # combines begun so far, for reports only: the kernels keep their own
         self._configs = {}
+        self._launches = LaunchSequence()  # prepared per (path, wait, T): see runtime/launch.py
 
     @property
     def recv(self) -> cupy.ndarray:
@@ -81,14 +83,15 @@ class Combiner:
         """GEMM 2 whose epilogue writes every row into its home rank's recv; then the reduction."""
         self.epoch += 1
         cfg = self.send_config(plan.src_info, status)
-        gemm.grouped_gemm("peer", act, w2, None, plan.expert_offsets, w2.shape[0], self.hidden, intermediate, cfg, 0)
-        return self._reduce(topk_idx, topk_weights, out, wait=True, status=status)
+        specs = gemm.grouped_gemm_specs("peer", act, w2, None, plan.expert_offsets, w2.shape[0], self.hidden,
+                                        intermediate, cfg, 0)
+        return self._reduce(topk_idx, topk_weights, out, wait=True, status=status, before=specs, key="fused")
 
     def stand_in(self, status=None) -> None:
         """This rank's part of a combine it has no tokens for (its input was rejected): the
         epoch moves on with the others'."""
         self.epoch += 1
-        launchers.release_recv(self._ready_table, self.rank, self.world)
+        self._launches.run("stand-in", [launchers.release_recv_spec(self._ready_table, self.rank, self.world)])
 
     def unfused(self, C, plan: DevicePlan, topk_idx, topk_weights, out=None, status=None):
         """C [M, H] (GEMM 2 with the null sink) -> recv slots by the transport -> the reduction."""
@@ -114,17 +117,21 @@ class Combiner:
         nccl_path.combine(C, topk_idx.shape[0], self.recv)
         return self._reduce(topk_idx, topk_weights, out, wait=False, status=nccl_path.status)
 
-    def _reduce(self, topk_idx, topk_weights, out, *, wait: bool, status=None):
+    def _reduce(self, topk_idx, topk_weights, out, *, wait: bool, status=None, before=(), key="reduce"):
+        """The reduction into out (made when None), after the launches in `before`; every
+        launch of the call goes through one prepared LaunchSequence entry per (key, T)."""
         T = topk_idx.shape[0]
         if out is None:
             out = cupy.empty((T, self.hidden), self.dtype)
         s = self.signals
+        specs = list(before)
         if wait:
-            launchers.combine_arm(topk_idx, T, self.top_k, self.experts_per_rank, self.world, self.hidden // 64,
-                            s.local(sig.EXPECTED), status)
-        launchers.combine_reduce(self.recv, topk_idx, topk_weights, out, T, self.top_k, self.hidden, self.world,
-                           s.local(sig.ARRIVE), s.local(sig.EXPECTED), s.local(sig.ERROR), self.timeout_ns, wait,
-                           status)
+            specs.append(launchers.combine_arm_spec(topk_idx, T, self.top_k, self.experts_per_rank, self.world,
+                                                    self.hidden // 64, s.local(sig.EXPECTED), status))
+        specs.append(launchers.combine_reduce_spec(self.recv, topk_idx, topk_weights, out, T, self.top_k, self.hidden,
+                                                   self.world, s.local(sig.ARRIVE), s.local(sig.EXPECTED),
+                                                   s.local(sig.ERROR), self.timeout_ns, wait, status))
         # recv is read: tell every peer it may take the next combine's rows
-        launchers.release_recv(self._ready_table, self.rank, self.world)
+        specs.append(launchers.release_recv_spec(self._ready_table, self.rank, self.world))
+        self._launches.run((key, wait, T), specs)
         return out

@@ -1,5 +1,6 @@
-"""Launchers of the combine's kernels (cuda/comm/combine.cu): arm the expected arrivals,
-reduce the k slots of every token, release the receive buffer to the peers."""
+"""The combine's kernel launches (cuda/comm/combine.cu) as specs, (kernel, grid, block, args,
+shared_mem), for the combiner's LaunchSequence: arm the expected arrivals, reduce the k
+slots of every token, release the receive buffer to the peers."""
 
 from __future__ import annotations
 
@@ -10,25 +11,26 @@ from epserve.runtime.kernel_structs import i32, u64
 from epserve.runtime.launch import pointer, sm_count
 
 
-def combine_arm(topk_idx, T: int, k: int, experts_per_rank: int, world: int, units_per_slot: int,
-                expected_ptr: int, status=None) -> None:
+def combine_arm_spec(topk_idx, T: int, k: int, experts_per_rank: int, world: int, units_per_slot: int,
+                     expected_ptr: int, status=None) -> tuple:
     """expected[s] += units of this call's slots owned by rank s (expected: per-sender array),
     unless the call status says the dispatch verdict stopped the call."""
     fn = kernels.function("combine", "epserve_combine_arm")
-    fn((1,), (256,), (pointer(topk_idx), i32(T), i32(k), i32(experts_per_rank), i32(world), i32(units_per_slot),
-                      u64(expected_ptr), pointer(status)))
+    return (fn, (1,), (256,), (pointer(topk_idx), i32(T), i32(k), i32(experts_per_rank), i32(world),
+                               i32(units_per_slot), u64(expected_ptr), pointer(status)), 0)
 
 
-def combine_reduce(recv, topk_idx, topk_weights, out, T: int, k: int, H: int, world: int, arrive_ptr: int,
-                   expected_ptr: int, error_ptr: int, timeout_ns: int, wait: bool, status=None) -> None:
+def combine_reduce_spec(recv, topk_idx, topk_weights, out, T: int, k: int, H: int, world: int, arrive_ptr: int,
+                        expected_ptr: int, error_ptr: int, timeout_ns: int, wait: bool, status=None) -> tuple:
     """The reduction; a failed call (status, or its own wait running out) poisons out."""
     fn = kernels.function("combine", "epserve_combine_reduce")
     blocks = max(1, min(T, sm_count(cupy.cuda.runtime.getDevice()) * 8))
-    fn((blocks,), (128,), (pointer(recv), pointer(topk_idx), pointer(topk_weights), pointer(out), i32(T), i32(k), i32(H),
-                           i32(world), u64(arrive_ptr), u64(expected_ptr), u64(error_ptr), u64(timeout_ns),
-                           i32(1 if wait else 0), pointer(status)))
+    return (fn, (blocks,), (128,), (pointer(recv), pointer(topk_idx), pointer(topk_weights), pointer(out), i32(T),
+                                    i32(k), i32(H), i32(world), u64(arrive_ptr), u64(expected_ptr), u64(error_ptr),
+                                    u64(timeout_ns), i32(1 if wait else 0), pointer(status)), 0)
 
 
-def release_recv(peer_ready_table, rank: int, world: int) -> None:
+def release_recv_spec(peer_ready_table, rank: int, world: int) -> tuple:
+    """recv is read: every peer may store the next combine's rows."""
     fn = kernels.function("combine", "epserve_release_recv")
-    fn((1,), (32,), (peer_ready_table, i32(rank), i32(world)))
+    return (fn, (1,), (32,), (peer_ready_table, i32(rank), i32(world)), 0)

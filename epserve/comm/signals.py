@@ -4,11 +4,11 @@ Layout (bytes); [8] arrays are indexed by rank, so a wait that runs out can name
 it was waiting for:
     0    arrive           u64[8]    64-column units of combine rows that reached this rank's recv, by sender
     64   count_arrive     u64[8]    dispatch count rows that reached this rank's table, by sender
-    128  token_arrive     u64[8]    dispatch token rows that reached this rank's token regions, by sender
+    128  token_arrive     u64[8]    unused: the direct dispatch counts arrivals per chunk in a buffer of its own
     192  ready            u64[8]    ready[d]: combines rank d has finished reading (d writes it)
     256  dispatch_ready   u64[8]    dispatch_ready[d]: dispatches rank d has consumed
     320  expected         u64[8]    local: combine units promised so far, by sender
-    384  expected_tokens  u64[8]    local: dispatch token rows promised so far, by sender
+    384  expected_tokens  u64[8]    unused, as token_arrive
     448  error            int32[4]  local: code, peer, detail (cuda/common/errors.cuh)
 Counters only grow (docs/design.md, "Signalling and epochs"): nothing is reset between calls, so nothing races with
 a reset.

@@ -21,12 +21,15 @@ from epserve.comm import signals as sig
 from epserve.errors import EPServeError
 from epserve.runtime import kernels
 from epserve.runtime.kernel_structs import MAX_LOCAL_EXPERTS, i32, launch_arg, pack_dispatch_config, u64
+from epserve.runtime.launch import LaunchSequence
 
 INPUT_REJECTED = 100  # EPSERVE_INPUT_REJECTED: the code a rank puts in its count row when its own input failed
 
 _NULL = u64(0)
 
 ROUTE_THREADS, ROUTE_WARPS, PUBLISH_THREADS, CHUNK, MOVE_THREADS = 256, 8, 1024, 32, 256  # as in dispatch.cu
+ARRIVAL_CHUNK = 32  # kArrivalChunk in dispatch.cu: token rows per arrival counter
+RELEASE_THREADS = 256
 LAYOUT_THREADS = MAX_LOCAL_EXPERTS  # kLayoutThreads in dispatch.cu: a thread per local expert
 
 
@@ -68,6 +71,20 @@ class DirectDispatcher:
         self.rows = cupy.zeros((max_recv_rows, hidden), dtype)
         self.src_info = cupy.zeros(max_recv_rows, np.int32)
         self._bad_slot = cupy.full(1, 0x7FFFFFFF, np.int32)  # route's lowest bad (t, j); publish resets it
+        # Arrival counters [W][max_chunks] u64 on every rank, by sender and chunk of 32 token
+        # rows; they only grow, and expected_chunk (local, the same shape) holds what the
+        # earlier calls promised. Zeroed before any peer can count into them (the barrier).
+        self._max_chunks = (max_tokens + ARRIVAL_CHUNK - 1) // ARRIVAL_CHUNK
+        self._chunk_arrive = group.allocate(W * self._max_chunks * 8)
+        self._chunk_arrive.view(np.uint64, (W * self._max_chunks,)).fill(0)
+        self._chunk_ptrs = cupy.asarray(np.array(self._chunk_arrive.peer_ptrs, np.uint64))
+        self._expected_chunk = cupy.zeros(W * self._max_chunks, np.uint64)
+        # The move kernel's count of finished blocks: its last block releases the dispatch
+        # and zeroes it. fuse_release=False launches the release kernel instead (timing).
+        self._done = cupy.zeros(1, np.uint32)
+        self.fuse_release = True
+        cupy.cuda.runtime.deviceSynchronize()
+        group.comm.Barrier()
         self._route_smem = ROUTE_WARPS * (self.E + W) * 4
         mod = kernels.module("dispatch")
         self._count = mod.get_function("epserve_dispatch_route_count")
@@ -81,11 +98,19 @@ class DirectDispatcher:
         self._sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         # Nothing in it changes between calls (the epoch is on the device): packed and wrapped once.
         self._cfg = launch_arg(self._config())
-        # The move kernel's expand blocks wait for its send blocks, so all of them should be
-        # resident at once: 256 threads of 60 registers fit 4 blocks on an SM; it asks for 2 + 2.
-        self._expand_blocks = max(1, min(self._sms * 2, (W * max_tokens + 7) // 8))
+        # The move kernel's expand blocks wait for the peers' send blocks, which wait for
+        # nothing, so all of them should be resident at once: 256 threads of at most 64
+        # registers fit 4 blocks on an SM; it asks for at most 1 (send) + 2 (expand).
+        # send_blocks_max and expand_blocks may be changed before the first call of a T
+        # (launch/jobs/time_dispatch.py tries others).
+        self.send_blocks_max = self._sms
+        self.expand_blocks = max(1, min(self._sms * 2, (W * max_tokens + 7) // 8))
+        self._max_chunks_arg = i32(self._max_chunks)
         self._pinned = cupy.cuda.alloc_pinned_memory(4)
         self._shapes = {}  # (T, rejected) -> the launches' grids and int arguments
+        # The launches, prepared once per (T, rejected): a call rewrites only x and topk_idx.
+        # launch/jobs/time_dispatch.py sets launches.prepared = False to wrap each kernel.
+        self.launches = LaunchSequence()
 
     def _launch_shape(self, T: int, rejected: bool) -> tuple:
         """What the launches of a call with T tokens take besides the pointers, made once per T."""
@@ -94,9 +119,9 @@ class DirectDispatcher:
         if shape is None:
             chunks = (T + CHUNK - 1) // CHUNK
             route_grid = (max(1, min(self._sms * 2, (chunks + ROUTE_WARPS - 1) // ROUTE_WARPS)),)
-            send_blocks = min(self._sms * 2, (T + 7) // 8)
+            send_blocks = max(1, min(self.send_blocks_max, (T + 7) // 8))
             shape = self._shapes[key] = (i32(T), i32(INPUT_REJECTED if rejected else 0), route_grid,
-                                         (send_blocks + self._expand_blocks,), i32(send_blocks))
+                                         (send_blocks + self.expand_blocks,), i32(send_blocks))
         return shape
 
     def _config(self) -> np.ndarray:
@@ -122,15 +147,22 @@ class DirectDispatcher:
         t, code, route_grid, move_grid, send_blocks = self._launch_shape(T, rejected)
         if T == 0:
             x = topk_idx = _NULL  # a null pointer (an empty array's may be anything)
-        self._count(route_grid, (ROUTE_THREADS,), (topk_idx, t, cfg, self._chunk_counts, self._bad_slot),
-                    shared_mem=self._route_smem)
-        self._publish((1,), (PUBLISH_THREADS,), (topk_idx, t, code, cfg, self._chunk_counts, self._bad_slot))
-        self._rank(route_grid, (ROUTE_THREADS,), (topk_idx, t, cfg, self._chunk_counts, self._tok_pos,
-                                                  self._slot_rank), shared_mem=self._route_smem)
-        self._layout((1,), (LAYOUT_THREADS,), (cfg, self.expert_offsets, self._base))
-        self._move(move_grid, (MOVE_THREADS,), (x, t, topk_idx, self._tok_pos, self._slot_rank, cfg, self._base,
-                                                self.rows, self.src_info, self.expert_offsets, send_blocks))
-        self._release((1,), (32,), (cfg,))
+        specs = [
+            (self._count, route_grid, (ROUTE_THREADS,), (topk_idx, t, cfg, self._chunk_counts, self._bad_slot),
+             self._route_smem),
+            (self._publish, (1,), (PUBLISH_THREADS,), (topk_idx, t, code, cfg, self._chunk_counts, self._bad_slot), 0),
+            (self._rank, route_grid, (ROUTE_THREADS,), (topk_idx, t, cfg, self._chunk_counts, self._tok_pos,
+                                                        self._slot_rank), self._route_smem),
+            (self._layout, (1,), (LAYOUT_THREADS,), (cfg, self.expert_offsets, self._base), 0),
+            (self._move, move_grid, (MOVE_THREADS,), (x, t, topk_idx, self._tok_pos, self._slot_rank, cfg, self._base,
+                                                      self.rows, self.src_info, self.expert_offsets, send_blocks,
+                                                      self._chunk_ptrs, self._expected_chunk, self._max_chunks_arg,
+                                                      self._done if self.fuse_release else _NULL), 0),
+        ]
+        if not self.fuse_release:
+            specs.append((self._release, (1,), (RELEASE_THREADS,), (cfg, self._expected_chunk, self._max_chunks_arg),
+                          0))
+        self.launches.run((T, rejected), specs)
 
     def rows_received(self) -> int:
         """This call's row count, read on the host (waits for the stream): for the baselines
@@ -147,6 +179,13 @@ class DirectDispatcher:
         one). The rows returned are views of this dispatcher's buffers, valid until the next
         dispatch."""
         self.enqueue(x, topk_idx, rejected=input_error is not None)
+        # Everything the result needs is queued before the one host wait, so the GPU has
+        # nothing left to do after it: copies of expert_offsets and of src_info at capacity
+        # (sliced once the count is known), and the row count into pinned memory, which the
+        # error record's copy and wait in raise_pending cover.
+        offsets, src_info = self.expert_offsets.copy(), self.src_info.copy()
+        host = np.frombuffer(self._pinned, np.int32, 1)
+        self.expert_offsets[-1:].get(out=host, blocking=False)
         try:
             self.signals.raise_pending(self.rank)
         except EPServeError:
@@ -154,5 +193,5 @@ class DirectDispatcher:
                 raise
         if input_error is not None:
             raise input_error
-        M = self.rows_received()
-        return Dispatched(self.rows[:M], self.expert_offsets.copy(), self.src_info[:M].copy(), M)
+        M = int(host[0])
+        return Dispatched(self.rows[:M], offsets, src_info[:M], M)

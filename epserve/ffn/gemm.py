@@ -59,6 +59,13 @@ def grouped_gemm(sink: str, A, B, C, expert_offsets, num_experts: int, N: int, K
                  impl: str | None = None) -> None:
     """C[m] = A[m] @ B[e]^T per expert; `sink` "null" stores C, "peer" sends to recv (C may be None).
     A [M, K] and B [E, N, K] are CuPy bf16 arrays."""
+    run(grouped_gemm_specs(sink, A, B, C, expert_offsets, num_experts, N, K, cfg, gate, impl))
+
+
+def grouped_gemm_specs(sink: str, A, B, C, expert_offsets, num_experts: int, N: int, K: int, cfg=None,
+                       gate: int = 0, impl: str | None = None) -> list:
+    """grouped_gemm's launches as specs, (kernel, grid, block, args, shared_mem), for a caller
+    that queues them itself (runtime.launch.LaunchSequence)."""
     if cfg is None:
         assert sink == "null", "the peer sink needs its PeerSendConfig"
         cfg = _NO_PEERS
@@ -67,10 +74,10 @@ def grouped_gemm(sink: str, A, B, C, expert_offsets, num_experts: int, N: int, K
     if impl == "mma":
         device = cupy.cuda.runtime.getDevice()
         fn, smem, threads = _gemm_kernel(f"gemm_{sink}", "epserve_grouped_gemm", device)
-        args = (pointer(A), pointer(B), pointer(C), pointer(expert_offsets), i32(num_experts), i32(N), i32(K), cfg, i32(gate))
-        fn((sm_count(device),), (threads,), args, shared_mem=smem)
-    else:
-        _wgmma_gemm(f"gemm_wgmma_{sink}", A, B, num_experts * N, C, expert_offsets, num_experts, N, K, cfg, gate)
+        args = (pointer(A), pointer(B), pointer(C), pointer(expert_offsets), i32(num_experts), i32(N), i32(K), cfg,
+                i32(gate))
+        return [(fn, (sm_count(device),), (threads,), args, smem)]
+    return _wgmma_specs(f"gemm_wgmma_{sink}", A, B, num_experts * N, C, expert_offsets, num_experts, N, K, cfg, gate)
 
 
 def gemm1_swiglu(A, w13, act, expert_offsets, num_experts: int, intermediate: int, hidden: int,
@@ -79,16 +86,27 @@ def gemm1_swiglu(A, w13, act, expert_offsets, num_experts: int, intermediate: in
     and SwiGLU. A [M, H], w13 [E, 2I, H] (gate rows, then up rows), act [M, I]. The wgmma
     GEMM applies SwiGLU in its epilogue, rounding exactly as its [M, 2I] output followed by
     the SwiGLU kernel would (the same bits); the mma.sync one stores [M, 2I] for that kernel."""
+    run(gemm1_swiglu_specs(A, w13, act, expert_offsets, num_experts, intermediate, hidden, impl))
+
+
+def gemm1_swiglu_specs(A, w13, act, expert_offsets, num_experts: int, intermediate: int, hidden: int,
+                       impl: str | None = None) -> list:
+    """gemm1_swiglu's launches as specs (see grouped_gemm_specs)."""
     I, H = intermediate, hidden
     assert H % 64 == 0 and H > 0 and I % 64 == 0, (I, H)
     if (impl or gemm_impl()) == "mma":
         M = A.shape[0]
         h = cupy.empty((M, 2 * I), A.dtype)
-        grouped_gemm("null", A, w13, h, expert_offsets, num_experts, 2 * I, H, impl="mma")
-        swiglu(h, act, M, I)
-    else:
-        _wgmma_gemm("gemm1_wgmma_swiglu", A, w13, num_experts * 2 * I, act, expert_offsets, num_experts, I, H,
-                    _NO_PEERS, 0)
+        return (grouped_gemm_specs("null", A, w13, h, expert_offsets, num_experts, 2 * I, H, impl="mma")
+                + [swiglu_spec(h, act, M, I)])
+    return _wgmma_specs("gemm1_wgmma_swiglu", A, w13, num_experts * 2 * I, act, expert_offsets, num_experts, I, H,
+                        _NO_PEERS, 0)
+
+
+def run(specs) -> None:
+    """Launch specs through CuPy, on the current stream."""
+    for kernel, grid, block, args, shared_mem in specs:
+        kernel(grid, block, args, shared_mem=shared_mem)
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,9 +127,14 @@ def _rows_map(ptr: int, rows: int, cols: int, box_rows: int) -> np.ndarray:
 
 def _wgmma_gemm(variant: str, A, B, b_rows: int, C, expert_offsets, num_experts: int, N: int, K: int, cfg,
                 gate: int) -> None:
+    run(_wgmma_specs(variant, A, B, b_rows, C, expert_offsets, num_experts, N, K, cfg, gate))
+
+
+def _wgmma_specs(variant: str, A, B, b_rows: int, C, expert_offsets, num_experts: int, N: int, K: int, cfg,
+                 gate: int) -> list:
     M = A.shape[0]
     if M == 0:
-        return  # no rows, no tiles (and a tensor map cannot have an empty dimension)
+        return []  # no rows, no tiles (and a tensor map cannot have an empty dimension)
     device = cupy.cuda.runtime.getDevice()
     fn, smem, threads, grid, b_box = _wgmma_kernel(variant, device)
     # A in 64-row boxes, one per consumer warpgroup; B in boxes of the rows one tile's
@@ -121,7 +144,7 @@ def _wgmma_gemm(variant: str, A, B, b_rows: int, C, expert_offsets, num_experts:
     counter = _tile_counter(device, cupy.cuda.get_current_stream().ptr)
     args = (map_a, map_b, NULL if C is None else C, expert_offsets, i32(num_experts), i32(N), i32(K), cfg, i32(gate),
             counter)
-    fn(grid, threads, args, shared_mem=smem)
+    return [(fn, grid, threads, args, smem)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,7 +155,11 @@ def _wgmma_kernel(variant: str, device: int):
 
 
 def swiglu(h, act, M: int, intermediate: int) -> None:
+    run([swiglu_spec(h, act, M, intermediate)])
+
+
+def swiglu_spec(h, act, M: int, intermediate: int) -> tuple:
     fn = kernels.function("swiglu", "epserve_swiglu")
     pairs = M * intermediate // 2
     blocks = max(1, min(sm_count(cupy.cuda.runtime.getDevice()) * 8, (pairs + 255) // 256))
-    fn((blocks,), (256,), (pointer(h), pointer(act), np.int64(M), np.int32(intermediate)))
+    return (fn, (blocks,), (256,), (pointer(h), pointer(act), np.int64(M), np.int32(intermediate)), 0)

@@ -43,6 +43,7 @@ from epserve.dispatch.host_plan import check_recv_capacity, count_recv_rows, pla
 from epserve.dispatch.nccl import NcclDispatcher
 from epserve.errors import ConfigError, EPServeError, PeerTimeoutError
 from epserve.ffn import gemm
+from epserve.runtime.launch import LaunchSequence
 
 SINKS = ("peer", "null")
 DISPATCHES = ("direct", "nccl")
@@ -140,6 +141,7 @@ class EPService:
         # GEMM 1's output at capacity, once: forward allocates nothing but a default out.
         self._act = cupy.zeros((c.recv_rows_capacity, c.intermediate), BF16)
         self._C = None  # GEMM 2's output for the unfused IPC combine, made on first use
+        self._gemm1 = LaunchSequence()  # forward's GEMM 1, prepared once per dispatch path
         self._no_tokens = (cupy.zeros((0, c.top_k), np.int32), cupy.zeros((0, c.top_k), np.float32))
         cupy.cuda.runtime.deviceSynchronize()
         self.comm.Barrier()
@@ -336,7 +338,8 @@ class EPService:
         c = self.config
         d = self.nccl_path if dispatch == "nccl" else self.direct
         d.enqueue(x, topk_idx)
-        gemm.gemm1_swiglu(d.rows, w13, self._act, d.expert_offsets, c.experts_per_rank, c.intermediate, c.hidden)
+        self._gemm1.run(dispatch, gemm.gemm1_swiglu_specs(d.rows, w13, self._act, d.expert_offsets,
+                                                          c.experts_per_rank, c.intermediate, c.hidden))
         if sink == "peer":
             out = self.combiner.fused(self._act, w2, d, topk_idx, topk_weights, c.intermediate, out=out,
                                       status=d.status)

@@ -1,0 +1,238 @@
+"""The direct dispatch alone, kernel by kernel, under the launcher (issue 13):
+
+    python launch/run.py -n 2 -- python -m mpi4py launch/jobs/time_dispatch.py [--preset dsv3-prefill]
+        [--tokens 4096] [--iters 20] [--grids 132:264,64:264]
+
+At the preset's shape with the bench's balanced routing (seed 17 + T) and the bench's x, it
+times, the slowest rank reported:
+  call      EPService.dispatch(x, idx, w, "direct") as the bench's dispatch-direct row does
+            (CUDA events around the call, which waits for its verdict and row count)
+  gpu       DirectDispatcher.enqueue alone, event pairs on the stream, each timed call right
+            behind an untimed one, so the ranks start it together; the time from each
+            kernel's launch to the next one's is that kernel's share (a kernel that waits for
+            a peer, layout for the count rows, move for the token rows, includes the wait)
+and, where the dispatcher has them (send_blocks_max, expand_blocks, fuse_release), the same
+per kernel for each move grid in --grids (send blocks : expand blocks) and with the release
+kernel instead of the move kernel's last block; then the move kernel's phases, from a build
+with EPSERVE_DISPATCH_STAMPS (global-timer stamps per block): when the sends end, when this
+rank's own rows are expanded, when the expansion ends. After every configuration the rows,
+expert_offsets and src_info must equal the host plan's (epserve/dispatch/host_plan.py, moved by the
+baseline dispatcher) bit for bit, and so must the NCCL dispatch's (#wrong, summed over
+ranks). Prints a table on rank 0; exits 1 when anything differs."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import cupy
+import numpy as np
+from mpi4py import MPI
+
+from epserve import EPService, MoEConfig
+from epserve.arrays import BF16
+from epserve.bench import presets
+from epserve.bench.events import samples_ms
+from epserve.comm import mpi as ep_comm
+
+KERNELS = (("route_count", "_count"), ("route_publish", "_publish"), ("route_rank", "_rank"),
+           ("layout", "_layout"), ("move", "_move"), ("release", "_release"))
+
+
+class Stamped:
+    """A kernel that records an event on the stream just before each launch."""
+
+    def __init__(self, fn, name: str, stamps: list):
+        self.fn, self.name, self.stamps = fn, name, stamps
+
+    def __call__(self, *args, **kwargs):
+        ev = cupy.cuda.Event()
+        ev.record()
+        self.stamps.append((self.name, ev))
+        return self.fn(*args, **kwargs)
+
+    def __getattr__(self, attr):
+        return getattr(self.fn, attr)
+
+
+def kernel_ms(comm, d, x, idx, iters: int) -> dict:
+    """Median per-kernel and total GPU milliseconds of `iters` enqueues, the slowest rank."""
+    stamps: list = []
+    saved = {attr: getattr(d, attr) for _, attr in KERNELS}
+    per = {name: [] for name, _ in KERNELS}
+    per["total"] = []
+    d.launches.prepared = False  # each launch through the wrapped kernel, so it can be stamped
+    try:
+        for _ in range(iters):
+            cupy.cuda.runtime.deviceSynchronize()
+            comm.Barrier()
+            d.enqueue(x, idx)  # untimed: absorbs the ranks' skew
+            for name, attr in KERNELS:
+                setattr(d, attr, Stamped(saved[attr], name, stamps))
+            stamps.clear()
+            d.enqueue(x, idx)
+            end = cupy.cuda.Event()
+            end.record()
+            for name, attr in KERNELS:
+                setattr(d, attr, saved[attr])
+            end.synchronize()
+            marks = stamps + [("end", end)]
+            for (name, ev), (_, nxt) in zip(marks, marks[1:]):
+                per[name].append(cupy.cuda.get_elapsed_time(ev, nxt))
+            per["total"].append(cupy.cuda.get_elapsed_time(marks[0][1], end))
+    finally:
+        for attr, fn in saved.items():
+            setattr(d, attr, fn)
+        d.launches.prepared = True
+    med = {name: float(np.median(v)) if v else 0.0 for name, v in per.items()}
+    return {name: comm.allreduce(ms, op=MPI.MAX) for name, ms in med.items()}
+
+
+def move_phases(comm, d, x, idx, T: int, iters: int) -> dict:
+    """From a move kernel built with EPSERVE_DISPATCH_STAMPS: microseconds from the first
+    block's start to the last send block's end, to the last expand block done with this
+    rank's own rows, and to the last expand block's end; medians, the slowest rank."""
+    from epserve.runtime.build import load_module
+
+    mod = load_module("comm/dispatch.cu", {"EPSERVE_DISPATCH_STAMPS": 1})
+    ptr = mod.get_global("epserve_move_stamps")
+    stamps = cupy.ndarray((2048, 3), cupy.uint64, memptr=ptr)
+    send = max(1, min(d.send_blocks_max, (T + 7) // 8))
+    grid = send + d.expand_blocks
+    saved = d._move
+    d._move = mod.get_function("epserve_dispatch_move")
+    out = {"send end": [], "own rows done": [], "expand end": [], "median send block end": []}
+    try:
+        for _ in range(iters):
+            cupy.cuda.runtime.deviceSynchronize()
+            comm.Barrier()
+            d.enqueue(x, idx)
+            stamps.fill(0)
+            d.enqueue(x, idx)
+            cupy.cuda.runtime.deviceSynchronize()
+            st = cupy.asnumpy(stamps[:grid]).astype(np.int64)
+            t0 = st[:, 0].min()
+            out["send end"].append((st[:send, 2].max() - t0) / 1e3)
+            out["median send block end"].append((np.median(st[:send, 2]) - t0) / 1e3)
+            out["own rows done"].append((st[send:, 1].max() - t0) / 1e3)
+            out["expand end"].append((st[send:, 2].max() - t0) / 1e3)
+    finally:
+        d._move = saved
+    return {name: comm.allreduce(float(np.median(v)), op=MPI.MAX) for name, v in out.items()}
+
+
+def wrong_bits(direct, ref) -> int:
+    M = int(ref[1][-1])
+    got = (direct.rows[:M], direct.expert_offsets, direct.src_info[:M])
+    n = 0
+    for a, b in zip(got, ref):
+        if a.shape != b.shape:
+            return max(1, b.size)
+        n += int((a.view(np.uint8) != b.view(np.uint8)).sum())
+    return n
+
+
+def main():
+    p = argparse.ArgumentParser(prog="launch/jobs/time_dispatch.py")
+    p.add_argument("--preset", default="dsv3-prefill", choices=sorted(presets.PRESETS))
+    p.add_argument("--tokens", type=int, help="tokens per rank (default: the preset's)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--seed", type=int, default=17, help="the bench's seed (routing seed + T, x seed + 1000 rank)")
+    p.add_argument("--grids", default="", help="move grids to try, send:expand blocks, comma-separated")
+    args = p.parse_args()
+    comm = ep_comm.world()
+    rank, world = comm.Get_rank(), comm.Get_size()
+    pre = presets.get_preset(args.preset)
+    T = args.tokens or pre.tokens_per_rank
+    H, I, E, k = pre.hidden, pre.intermediate, pre.num_experts, pre.top_k
+    cfg = MoEConfig(E, k, H, I, T, world_size=world, wait_timeout_s=60.0)
+    at = dataclasses.replace(pre, tokens_per_rank=T)
+    topk_all = presets.balanced().draw(at, world, args.seed + T)
+    bad = 0
+    with EPService(cfg, comm) as svc:
+        idx = cupy.asarray(topk_all[rank])
+        rs = cupy.random.RandomState(args.seed + 1000 * rank)
+        x = rs.standard_normal((T, H), dtype=np.float32).astype(BF16)
+        w = rs.uniform(0.05, 1.0, (T, k), dtype=np.float32)
+        # The reference: the host plan (epserve/dispatch/host_plan.py) and its row move, which share no
+        # kernel with the direct dispatch; the NCCL dispatch must give it too.
+        plan = svc._host_plan(idx)
+        ref = (svc.baseline.dispatch(x, plan), plan.expert_offsets, plan.src_info)
+        nccl_wrong = comm.allreduce(wrong_bits(svc.dispatch(x, idx, w, "nccl"), ref))
+        bad += nccl_wrong
+        d = svc.direct
+        rows = []
+
+        def check(label):
+            nonlocal bad
+            svc.check()
+            cupy.cuda.runtime.deviceSynchronize()
+            wrong = comm.allreduce(wrong_bits(svc.dispatch(x, idx, w, "direct"), ref))
+            bad += wrong
+            return wrong
+
+        wrong = check("default")
+        comm.Barrier()
+        call = comm.allreduce(float(np.median(samples_ms(lambda: svc.dispatch(x, idx, w, "direct"), 3, args.iters))),
+                              op=MPI.MAX)
+        grids = [("default", None)]
+        if hasattr(d, "send_blocks_max"):
+            grids[0] = (f"default {d.send_blocks_max}:{d.expand_blocks}", None)
+            for spec in filter(None, args.grids.split(",")):
+                s, e = (int(v) for v in spec.split(":"))
+                grids.append((f"{s}:{e}", (s, e)))
+        if hasattr(d, "fuse_release"):
+            grids.append(("default, release kernel", "unfused"))
+        default = (getattr(d, "send_blocks_max", None), getattr(d, "expand_blocks", None))
+        for label, grid in grids:
+            if grid == "unfused":
+                d.send_blocks_max, d.expand_blocks = default
+                d._shapes.clear()
+                d.fuse_release = False
+                wrong = check(label)
+            elif grid is not None:
+                d.send_blocks_max, d.expand_blocks = grid
+                d._shapes.clear()
+                wrong = check(label)
+            ms = kernel_ms(comm, d, x, idx, args.iters)
+            rows.append((label, ms, wrong))
+        if default[0] is not None:
+            d.send_blocks_max, d.expand_blocks = default
+            d._shapes.clear()
+        if hasattr(d, "fuse_release"):
+            d.fuse_release = True
+            check("default again")
+        phases = move_phases(comm, d, x, idx, T, args.iters) if hasattr(d, "send_blocks_max") else None
+        # A routing the bench never draws: some tokens name an expert twice (route_rank's
+        # token-by-token path), some slots unused.
+        odd = idx.copy()
+        odd[::5, 1] = odd[::5, 0]
+        odd[::3, k - 1] = -1
+        plan = svc._host_plan(odd)
+        odd_wrong = comm.allreduce(wrong_bits(svc.dispatch(x, odd, w, "direct"),
+                                              (svc.baseline.dispatch(x, plan), plan.expert_offsets, plan.src_info)))
+        bad += odd_wrong
+        svc.check()
+        M = int(ref[1][-1])
+        sent = int(cupy.count_nonzero(d._tok_pos[:T] >= 0)) if hasattr(d, "_tok_pos") else 0
+        sent_all = comm.gather(sent)
+        if rank == 0:
+            print(f"# time_dispatch: {world} ranks, {args.preset} T={T} H={H} E={E} k={k}, balanced routing, "
+                  f"rows received by rank 0: {M}; token rows (all destinations) by rank: {sent_all}; "
+                  f"{args.iters} iterations, median, slowest rank; NCCL dispatch #wrong {nccl_wrong}")
+            print(f"call (EPService.dispatch, as the bench's dispatch-direct): {call * 1e3:.1f} us")
+            names = [n for n, _ in KERNELS] + ["total"]
+            print(f"{'move grid':<22}" + "".join(f"{n:>14}" for n in names) + f"{'#wrong':>8}")
+            for label, ms, wr in rows:
+                print(f"{label:<22}" + "".join(f"{ms[n] * 1e3:>14.1f}" for n in names) + f"{wr:>8}")
+            print("# times in us; each kernel's is from its launch to the next kernel's on the stream")
+            print(f"routing with repeated experts and unused slots: #wrong {odd_wrong}")
+            if phases:
+                print("move, default grid, from its first block's start (us): "
+                      + ", ".join(f"{name} {v:.1f}" for name, v in phases.items()))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
