@@ -207,13 +207,36 @@ def test_gemm1_fp8_swiglu_matches_float64_and_the_unfused_bits(rows, I, H):
     assert np.array_equal(_bits(act2), got_q) and np.array_equal(cupy.asnumpy(act_s2)[:, :M], got_s[:, :M])
 
 
+# The share of act's e4m3 codes that may differ from the float64 chain, asserted besides the
+# intervals (epserve/check/fp8_bounds.py says why a share alone is no oracle). On these
+# inputs a NumPy model of Hopper's FP8 accumulator (13 fraction bits, truncated:
+# tests/cpu/test_fp8_bounds.py) gives 1.1% and 1.3%, the first H200 run 1.10% and under 1%;
+# the model with one bit fewer 2.6% and 2.9%. Past 5% the accumulator would be worse than
+# 12 bits, which no published measurement of Hopper shows: worth a look, not a pass.
+MAX_FLIPPED_SHARE = 0.05
+
+
 @pytest.mark.parametrize("rows,H,I", [(RAGGED, 256, 128), ([600, 37, 1500], 1024, 512)])
 def test_fp8_expert_ffn_matches_float64(rows, H, I):
     """GEMM 1 + SwiGLU + quantization, then GEMM 2, against the oracle's whole chain from the
-    same quantized inputs."""
+    same quantized inputs. act's codes are checked against intervals, not by a share of equal
+    codes: the FP8 wgmma keeps about 13 fraction bits of each k32 step (not fp32), so GEMM 1's
+    h sits a little off the float64 h and the bf16 and e4m3 roundings after it turn that into
+    whole-step code changes on about 1% of act (some across zero, where act's error is set by
+    the sum's largest term, not by act). The first H200 run saw 1.10% and failed the old 1%
+    threshold; tests/cpu/test_fp8_bounds.py reproduces that share with a model of the
+    accumulator and 0% with an fp32 one. So, rigorously:
+    - GEMM 1's h (the unfused FP8 GEMM's bf16 [M, 2I], the fused kernel's input bit for bit)
+      within the bf16 roundings of exact h +- the accumulator's worst-case error bound;
+    - the epilogue alone: act's codes and scales within the intervals the float64 epilogue
+      gives from the kernel's own h (only __expf's few ulps widen them: < 0.1% ambiguous);
+    - end to end: every code and scale within the intervals from exact h +- the bound;
+    - the share of codes off the float64 chain under MAX_FLIPPED_SHARE (see there);
+    - y within 1e-2 of the float64 chain."""
     import cupy
 
     from epserve import quantize_weights
+    from epserve.check import fp8_bounds
     from epserve.ffn import fp8, gemm_fp8
 
     rng = np.random.default_rng(sum(rows) + H)
@@ -225,16 +248,34 @@ def test_fp8_expert_ffn_matches_float64(rows, H, I):
     w = quantize_weights(w13, w2)
     a_q, a_s = fp8.quantize_rows(x)
     offsets = cupy.asarray(offsets_host)
-    act = cupy.empty((M, I), np.uint8)
-    act_s = cupy.zeros((I // 128, f8.scale_ld(M)), np.float32)
+    act = cupy.full((M, I), E4M3_NAN, np.uint8)
+    act_s = cupy.full((I // 128, f8.scale_ld(M)), np.nan, np.float32)
     gemm_fp8.gemm1_swiglu_fp8(a_q, a_s, w.w13, w.w13_scales, act, act_s, offsets, E, I, H)
     y = cupy.full((M, H), np.nan, BF16)
     gemm_fp8.grouped_gemm_fp8("null", act, act_s, w.w2, w.w2_scales, y, offsets, E, H, I)
-    ref = f8.reference_ffn_fp8(_e4m3(a_q), cupy.asnumpy(a_s), offsets_host, _e4m3(w.w13), cupy.asnumpy(w.w13_scales),
-                               _e4m3(w.w2), cupy.asnumpy(w.w2_scales))
+    h = cupy.full((M, 2 * I), np.nan, BF16)
+    gemm_fp8.grouped_gemm_fp8("null", a_q, a_s, w.w13, w.w13_scales, h, offsets, E, 2 * I, H)
+
+    inputs = (_e4m3(a_q), cupy.asnumpy(a_s), offsets_host, _e4m3(w.w13), cupy.asnumpy(w.w13_scales))
+    ref = f8.reference_ffn_fp8(*inputs, _e4m3(w.w2), cupy.asnumpy(w.w2_scales))
     assert rel_error(cupy.asnumpy(y).astype(np.float64), ref["y"]) < 1e-2
+
+    a_deq, w_deq = f8.dequantize_rows(inputs[0], inputs[1]), f8.dequantize_blocks(inputs[3], inputs[4])
+    h_exact = np.concatenate([a_deq[offsets_host[e]:offsets_host[e + 1]] @ w_deq[e].T for e in range(E)])
+    eps = fp8_bounds.wgmma_error_bound(inputs[0], inputs[1], offsets_host, inputs[3], inputs[4])
+    got_h = cupy.asnumpy(h).astype(np.float64)
+    outside_h = ~((got_h >= f8.round_bf16(h_exact - eps)) & (got_h <= f8.round_bf16(h_exact + eps)))
+    assert not outside_h.any(), f"{int(outside_h.sum())} of GEMM 1's h values beyond the accumulator's error bound"
+
+    got_q, got_s = _e4m3(act), cupy.asnumpy(act_s)
+    epilogue = fp8_bounds.outside_act_bounds(fp8_bounds.act_bounds(got_h, got_h), got_q, got_s)
+    assert epilogue["codes"] == 0 and epilogue["scales"] == 0 and epilogue["ambiguous"] < 1e-3, \
+        f"the epilogue differs from the float64 one on the kernel's own h: {epilogue}"
+    chain = fp8_bounds.outside_act_bounds(fp8_bounds.act_bounds(h_exact - eps, h_exact + eps), got_q, got_s)
+    assert chain["codes"] == 0 and chain["scales"] == 0, f"act beyond the float64 chain's bounds: {chain}"
     flipped = float((_bits(act) != ref["act_q"].view(np.uint8)).mean())
-    assert flipped < 0.01, f"{flipped:.4f} of act's e4m3 values differ from the oracle's"
+    print(f"act codes off the float64 chain: {flipped:.4f} (h values off: {(got_h != ref['h']).mean():.4f})")
+    assert flipped < MAX_FLIPPED_SHARE, f"{flipped:.4f} of act's e4m3 values differ from the oracle's"
 
 
 def test_gemm2_fp8_peer_sink_scatters_the_null_builds_rows():
