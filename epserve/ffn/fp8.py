@@ -16,6 +16,7 @@ host, ``cupy.asnumpy(q).view(ml_dtypes.float8_e4m3fn)`` gives their values.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import cupy
@@ -23,8 +24,10 @@ import numpy as np
 
 from epserve.arrays import BF16
 from epserve.check.fp8_reference import BLOCK, scale_ld
+from epserve.ffn.gemm import run
 from epserve.runtime import kernels
-from epserve.runtime.launch import sm_count
+from epserve.runtime.kernel_structs import i32, launch_arg
+from epserve.runtime.launch import pointer, sm_count
 
 
 @dataclass(frozen=True)
@@ -96,14 +99,32 @@ def quantize_rows(x, q=None, scales=None, rows: int | None = None):
     _require_bf16(x)
     q = cupy.empty((M, K), np.uint8) if q is None else q
     scales = cupy.zeros((K // BLOCK, scale_ld(M)), np.float32) if scales is None else scales
+    if rows:
+        run([quantize_rows_spec(x, q, scales, rows)])
+    return q, scales
+
+
+def quantize_rows_spec(x, q, scales, rows: int, row_count=None) -> tuple:
+    """quantize_rows' launch as a spec (kernel, grid, block, args, shared_mem) for a
+    runtime.launch.LaunchSequence: rows [0, rows) of x, or only the first row_count[0] of
+    them when row_count (a device int32 array, e.g. the last of expert_offsets) is given.
+    The grid is sized for `rows`; the kernel's warps stride over what is there."""
+    K = x.shape[1]
+    _require_blocks(BLOCK, K)
+    _require_bf16(x)
     if scales.shape[0] != K // BLOCK or scales.shape[1] < rows or scales.shape[1] % 4:
         raise ValueError(f"scales {scales.shape} cannot hold [{K // BLOCK}, >= {rows}] with a pitch of 4n floats")
-    if rows:
-        fn = kernels.function("quantize_fp8", "epserve_quantize_rows_fp8")
-        warps = rows * (K // BLOCK)
-        grid = max(1, min((warps + 7) // 8, sm_count(cupy.cuda.runtime.getDevice()) * 16))
-        fn((grid,), (256,), (x, np.int64(rows), np.int32(K), q, scales, np.int64(scales.shape[1])))
-    return q, scales
+    if q.dtype != np.uint8 or q.shape[1] != K or q.shape[0] < rows:
+        raise ValueError(f"q must be uint8 [>= {rows}, {K}], got {q.dtype} {q.shape}")
+    fn = kernels.function("quantize_fp8", "epserve_quantize_rows_fp8")
+    warps = max(1, rows * (K // BLOCK))
+    grid = max(1, min((warps + 7) // 8, sm_count(cupy.cuda.runtime.getDevice()) * 16))
+    return (fn, (grid,), (256,), (x, _i64(rows), i32(K), q, scales, _i64(scales.shape[1]), pointer(row_count)), 0)
+
+
+@functools.lru_cache(maxsize=1024)
+def _i64(value: int):
+    return launch_arg(np.full(1, value, np.int64))
 
 
 def _require_blocks(R: int, C: int) -> None:

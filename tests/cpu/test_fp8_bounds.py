@@ -132,3 +132,30 @@ def test_a_wrong_scale_or_a_swapped_row_leaves_the_bounds():
     nan = q.astype(np.float32)
     nan[0, 0] = np.nan
     assert fb.outside_act_bounds(tight, nan, s)["codes"] == 1
+
+
+def test_the_fp8_layer_oracle_is_the_bf16_one_up_to_quantization():
+    """reference_layer_fp8 (the whole layer on quantized weights and rows) sits within FP8's
+    quantization error of the bf16 oracle, and its y is the FFN oracle's on its own rows."""
+    from epserve.check.fp8_layer_reference import quantized_weights, reference_layer_fp8
+    from epserve.check.reference import reference_layer, rel_error
+    from epserve.check.testing import layer_inputs
+
+    E, k, H, I = 4, 2, 256, 128
+    inputs = layer_inputs(3, [40, 0], E, k, H, I, unused=0.1)
+    routing = [i.x for i in inputs], [i.topk_idx for i in inputs], [i.topk_weights for i in inputs]
+    weights = [quantized_weights(i.w13, i.w2) for i in inputs]
+    fp8 = reference_layer_fp8(*routing, weights, E)
+    bf16 = reference_layer(*routing, [i.w13 for i in inputs], [i.w2 for i in inputs], E)
+    assert 1e-3 < rel_error(fp8[0]["out"], bf16[0]["out"]) < 0.1 and fp8[1]["out"].shape == (0, H)
+    ffn = f8.reference_ffn_fp8(fp8[1]["a_q"], fp8[1]["a_scales"], fp8[1]["expert_offsets"], *weights[1])
+    assert np.array_equal(ffn["y"], fp8[1]["y"])
+
+
+def test_fuzz_draws_fp8_cases_with_whole_scale_blocks():
+    from epserve.check.fuzz import generate
+
+    cases = [generate(11, i, 2) for i in range(200)]
+    fp8 = [c for c in cases if c.expert_dtype == "fp8"]
+    assert 20 < len(fp8) < 120
+    assert all(c.hidden % 128 == 0 and c.intermediate % 128 == 0 and c.config().expert_dtype == "fp8" for c in fp8)
