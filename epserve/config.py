@@ -44,9 +44,9 @@ class MoEConfig:
                          is later raises PeerTimeoutError naming it and the stage.
     expert_dtype         "bf16" (the default) or "fp8": e4m3 experts with 128 x 128 weight
                          scales and 1 x 128 activation scales (epserve.quantize_weights), which
-                         need hidden and intermediate to be multiples of 128. The FP8 GEMMs
-                         exist (epserve/ffn/gemm_fp8.py); EPService refuses "fp8" until the
-                         FP8 dispatch does.
+                         need hidden and intermediate to be multiples of 128. EPService then
+                         takes the FP8Weights as forward's w13 (w2 None); the dispatch still
+                         moves bf16 rows (docs/design.md, "FP8 experts").
 
     Construction validates every field and raises ConfigError naming the first bad one.
     The config is frozen; ``to_dict()`` gives its fields as plain Python values.
