@@ -157,10 +157,11 @@ __device__ __forceinline__ bool wait_chunk(const unsigned long long* counter, un
 
 // One warp per token row, copied into every expert row of this rank it feeds (the row read
 // once), src_info beside it. Work items: first this rank's own T tokens, straight from x
-// (they need no wait; none when own_in_send: the send warps store them), then the rows of the other sources, rank + 1, rank + 2, ..., in
-// position order, each waiting only for its chunk's arrival counter, so expansion follows
-// arrival. A wait that runs out fails this rank's call: expert_offsets go to zero, so the
-// GEMMs see no rows, the output is poisoned, and the other warps stop waiting.
+// (they need no wait; none when own_in_send: the send warps store them), then the rows of
+// the other sources, rank + 1, rank + 2, ..., in position order, each waiting only for its
+// chunk's arrival counter, so expansion follows arrival. A wait that runs out fails this
+// rank's call: expert_offsets go to zero, so the GEMMs see no rows, the output is poisoned,
+// and the other warps stop waiting.
 __device__ void expand_tokens(const bf16_t* __restrict__ x, int T, const int* __restrict__ topk_idx,
                               const int* __restrict__ slot_rank, const DispatchConfig& cfg,
                               const int* __restrict__ base, bf16_t* __restrict__ a, int* __restrict__ src_info,
