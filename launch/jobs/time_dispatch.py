@@ -247,8 +247,12 @@ def main():
         odd[::5, 1] = odd[::5, 0]
         odd[::3, k - 1] = -1
         plan = svc._host_plan(odd)
-        odd_wrong = comm.allreduce(wrong_bits(svc.dispatch(x, odd, w, "direct"),
-                                              (svc.baseline.dispatch(x, plan), plan.expert_offsets, plan.src_info)))
+        odd_ref = (svc.baseline.dispatch(x, plan), plan.expert_offsets, plan.src_info)
+        odd_wrong = comm.allreduce(wrong_bits(svc.dispatch(x, odd, w, "direct"), odd_ref))
+        if hasattr(d, "own_in_send"):  # the same with the send warps storing the own rows
+            d.own_in_send = True
+            odd_wrong += comm.allreduce(wrong_bits(svc.dispatch(x, odd, w, "direct"), odd_ref))
+            d.own_in_send = False
         bad += odd_wrong
         svc.check()
         M = int(ref[1][-1])
@@ -267,7 +271,8 @@ def main():
             for label, ms, wr in rows:
                 print(f"{label:<26}" + "".join(f"{ms.get(n, 0.0) * 1e3:>14.1f}" for n in names) + f"{wr:>8}")
             print("# times in us; each kernel's is from its launch to the next kernel's on the stream")
-            print(f"routing with repeated experts and unused slots: #wrong {odd_wrong}")
+            print(f"routing with repeated experts and unused slots (own_in_send off and on, where it exists): "
+                  f"#wrong {odd_wrong}")
             if phases:
                 print("move, default grid, from its first block's start (us): "
                       + ", ".join(f"{name} {v:.1f}" for name, v in phases.items()))
