@@ -1,8 +1,9 @@
 // The combine's receive side (docs/design.md: "Layouts", "Signalling and epochs").
 //   epserve_combine_arm      : adds this call's expected 64-column units to `expected`
 //   epserve_combine_reduce   : waits (bounded) until every expected unit has arrived, then
-//                              out[t] = bf16(sum_j w[t,j] * recv[t,j,:]), fp32, j ascending
-//   epserve_release_recv     : tells every peer this rank has finished reading its recv
+//                              out[t] = bf16(sum_j w[t,j] * recv[t,j,:]), fp32, j ascending;
+//                              its last block to finish releases recv to the peers
+//   epserve_release_recv     : the release alone (a rank that takes part in a call with no tokens)
 #include "common/bf16.cuh"
 #include "common/errors.cuh"
 #include "sinks/peer_send_config.cuh"
@@ -34,6 +35,25 @@ extern "C" __global__ void epserve_combine_arm(const int* __restrict__ topk_idx,
   if (threadIdx.x < world) expected[threadIdx.x] += static_cast<unsigned long long>(per_source[threadIdx.x]) * units_per_slot;
 }
 
+struct PeerCounters {
+  unsigned long long* ready[EPSERVE_MAX_PEERS];  // each rank's ready array, as mapped here
+};
+
+// The last block of the reduction to finish tells every peer that recv has been read, so no
+// separate release launch follows it. blocks_done counts the blocks and is reset by that last
+// block, so launches and graph replays need no memset. Every block's reads of recv happen
+// before its fenced increment, and the release comes after the last increment.
+__device__ __forceinline__ void release_when_last(unsigned int* blocks_done, const PeerCounters& peers, int rank,
+                                                  int world) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence();
+  if (atomicAdd(blocks_done, 1u) != gridDim.x - 1) return;
+  *blocks_done = 0;
+  __threadfence();
+  for (int d = 0; d < world; ++d) red_release_sys_add(peers.ready[d] + rank, 1ull);
+}
+
 // A failed call's output is NaN: never a plausible-looking result (docs/design.md, "Error semantics").
 __device__ __forceinline__ void poison_tokens(bf16_t* out, int T, int H) {
   const uint4 nan = make_uint4(0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u);
@@ -50,7 +70,8 @@ extern "C" __global__ void epserve_combine_reduce(const bf16_t* __restrict__ rec
                                                   const float* __restrict__ topk_weights, bf16_t* __restrict__ out,
                                                   int T, int k, int H, int world, const unsigned long long* arrive,
                                                   const unsigned long long* expected, int* error,
-                                                  unsigned long long timeout_ns, int wait, int* status) {
+                                                  unsigned long long timeout_ns, int wait, int* status,
+                                                  const PeerCounters peers, int rank, unsigned int* blocks_done) {
   __shared__ int ok;
   if (threadIdx.x == 0) {
     ok = !call_failed(status);
@@ -69,6 +90,7 @@ extern "C" __global__ void epserve_combine_reduce(const bf16_t* __restrict__ rec
   __syncthreads();
   if (!ok) {
     poison_tokens(out, T, H);
+    release_when_last(blocks_done, peers, rank, world);
     return;
   }
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
@@ -95,13 +117,10 @@ extern "C" __global__ void epserve_combine_reduce(const bf16_t* __restrict__ rec
       *reinterpret_cast<uint4*>(out + static_cast<long long>(t) * H + c) = o;
     }
   }
+  release_when_last(blocks_done, peers, rank, world);
 }
 
-// Runs after the reduction in stream order: recv may now be overwritten by the next combine.
-struct PeerCounters {
-  unsigned long long* ready[EPSERVE_MAX_PEERS];  // each rank's ready array, as mapped here
-};
-
+// recv may now be overwritten by the next combine: the peers' stores for it wait on this.
 extern "C" __global__ void epserve_release_recv(const PeerCounters peers, int rank, int world) {
   const int d = threadIdx.x;
   if (d < world) red_release_sys_add(peers.ready[d] + rank, 1ull);

@@ -1,6 +1,7 @@
 // DispatchConfig: the direct-store dispatch's run-time state, passed by value.
 // epserve/runtime/kernel_structs.py packs it byte for byte; a CI test checks the offsets with the
-// compiler, as for PeerSendConfig.
+// compiler, as for PeerSendConfig. The token rows' arrival counters are per chunk of 32 rows,
+// in a buffer of the dispatcher, and reach the move kernel as its own arguments.
 #pragma once
 #include "sinks/peer_send_config.cuh"
 
@@ -9,13 +10,10 @@ struct DispatchConfig {
   bf16_t* tokens[EPSERVE_MAX_PEERS];                    // each rank's token regions [W][max_tokens][H]
   int* meta[EPSERVE_MAX_PEERS];                         // each rank's routing of those rows [W][max_tokens][1 + 2k]
   unsigned long long* count_arrive[EPSERVE_MAX_PEERS];  // each rank's count-row counters [EPSERVE_MAX_PEERS], by sender
-  unsigned long long* token_arrive[EPSERVE_MAX_PEERS];  // each rank's token-row counters [EPSERVE_MAX_PEERS], by sender
   unsigned long long* ready[EPSERVE_MAX_PEERS];         // each rank's dispatch-ready array
   const unsigned long long* my_ready;                   // local: ready[d] = dispatches rank d has consumed;
                                                         // my_ready[rank] is this rank's own: the epoch lives here
   const unsigned long long* my_count_arrive;            // local [EPSERVE_MAX_PEERS], by sender
-  const unsigned long long* my_token_arrive;            // local [EPSERVE_MAX_PEERS], by sender
-  unsigned long long* expected_tokens;                  // local [EPSERVE_MAX_PEERS]: token rows promised so far, by sender
   int* error;                                           // local error record
   int* status;                                          // local call status [2] (common/errors.cuh)
   unsigned long long timeout_ns;
@@ -32,6 +30,6 @@ struct DispatchConfig {
 // (epserve/dispatch/direct.py INPUT_REJECTED); kDispatchBadExpert when route found a bad id.
 #define EPSERVE_INPUT_REJECTED 100
 
-// Experts in all: route's publish keeps a count per expert in shared memory
+// Experts in all: route's scan keeps a count per expert in shared memory
 // (epserve.kernel_structs.MAX_EXPERTS).
 #define EPSERVE_MAX_EXPERTS 1024

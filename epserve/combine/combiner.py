@@ -9,7 +9,7 @@ Both land the same bytes in the same slots, so their outputs are bitwise equal.
 Every combine has a number (its epoch, the same on every rank), kept on the device: a
 rank's own ready counter counts the combines it has finished. A sender writes into rank d's
 recv for combine e only after d has released it for combine e - 1 (release_recv, run after
-d's reduction), so no call overwrites rows a peer is still reducing.
+d's reduction, by its last block), so no call overwrites rows a peer is still reducing.
 
 `status` (the direct dispatch's call status, or None) carries a call's failure from the
 dispatch to the combine: a stopped call expects no rows, and a failed call's output is
@@ -48,6 +48,7 @@ class Combiner:
         self._recv_view = self._recv.view(dtype, (max_tokens, top_k, hidden)) if dtype is not None else None
         self.signals = signals
         self._ready_table = launch_arg(pack_peer_pointers([signals.peer(d, sig.READY) for d in range(self.world)]))
+        self._reduce_blocks_done = cupy.zeros(1, cupy.uint32)  # the reduction's last block releases recv
         self.epoch = 0  # combines begun so far, for reports only: the kernels keep their own
         self._configs = {}
         self._launches = LaunchSequence()  # prepared per (path, wait, T): see runtime/launch.py
@@ -134,8 +135,7 @@ class Combiner:
                                                     self.hidden // 64, s.local(sig.EXPECTED), status))
         specs.append(launchers.combine_reduce_spec(self.recv, topk_idx, topk_weights, out, T, self.top_k, self.hidden,
                                                    self.world, s.local(sig.ARRIVE), s.local(sig.EXPECTED),
-                                                   s.local(sig.ERROR), self.timeout_ns, wait, status))
-        # recv is read: tell every peer it may take the next combine's rows
-        specs.append(launchers.release_recv_spec(self._ready_table, self.rank, self.world))
+                                                   s.local(sig.ERROR), self.timeout_ns, wait, status,
+                                                   self._ready_table, self.rank, self._reduce_blocks_done))
         self._launches.run((key, wait, T), specs)
         return out

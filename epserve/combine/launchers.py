@@ -1,6 +1,6 @@
 """The combine's kernel launches (cuda/comm/combine.cu) as specs, (kernel, grid, block, args,
 shared_mem), for the combiner's LaunchSequence: arm the expected arrivals, reduce the k
-slots of every token, release the receive buffer to the peers."""
+slots of every token (and release the receive buffer to the peers), or release it alone."""
 
 from __future__ import annotations
 
@@ -21,16 +21,21 @@ def combine_arm_spec(topk_idx, T: int, k: int, experts_per_rank: int, world: int
 
 
 def combine_reduce_spec(recv, topk_idx, topk_weights, out, T: int, k: int, H: int, world: int, arrive_ptr: int,
-                        expected_ptr: int, error_ptr: int, timeout_ns: int, wait: bool, status=None) -> tuple:
-    """The reduction; a failed call (status, or its own wait running out) poisons out."""
+                        expected_ptr: int, error_ptr: int, timeout_ns: int, wait: bool, status, peer_ready_table,
+                        rank: int, blocks_done) -> tuple:
+    """The reduction; a failed call (status, or its own wait running out) poisons out. Its last
+    block releases recv to every peer (peer_ready_table), counting blocks in blocks_done (one
+    uint32, zero between launches)."""
     fn = kernels.function("combine", "epserve_combine_reduce")
     blocks = max(1, min(T, sm_count(cupy.cuda.runtime.getDevice()) * 8))
     return (fn, (blocks,), (128,), (pointer(recv), pointer(topk_idx), pointer(topk_weights), pointer(out), i32(T),
                                     i32(k), i32(H), i32(world), u64(arrive_ptr), u64(expected_ptr), u64(error_ptr),
-                                    u64(timeout_ns), i32(1 if wait else 0), pointer(status)), 0)
+                                    u64(timeout_ns), i32(1 if wait else 0), pointer(status), peer_ready_table,
+                                    i32(rank), pointer(blocks_done)), 0)
 
 
 def release_recv_spec(peer_ready_table, rank: int, world: int) -> tuple:
-    """recv is read: every peer may store the next combine's rows."""
+    """recv is read: every peer may store the next combine's rows (alone: a rank's part of a
+    call it has no tokens for; the reduction releases recv itself)."""
     fn = kernels.function("combine", "epserve_release_recv")
     return (fn, (1,), (32,), (peer_ready_table, i32(rank), i32(world)), 0)

@@ -4,14 +4,13 @@ Layout (bytes); [8] arrays are indexed by rank, so a wait that runs out can name
 it was waiting for:
     0    arrive           u64[8]    64-column units of combine rows that reached this rank's recv, by sender
     64   count_arrive     u64[8]    dispatch count rows that reached this rank's table, by sender
-    128  token_arrive     u64[8]    unused: the direct dispatch counts arrivals per chunk in a buffer of its own
-    192  ready            u64[8]    ready[d]: combines rank d has finished reading (d writes it)
-    256  dispatch_ready   u64[8]    dispatch_ready[d]: dispatches rank d has consumed
-    320  expected         u64[8]    local: combine units promised so far, by sender
-    384  expected_tokens  u64[8]    unused, as token_arrive
-    448  error            int32[4]  local: code, peer, detail (cuda/common/errors.cuh)
-Counters only grow (docs/design.md, "Signalling and epochs"): nothing is reset between calls, so nothing races with
-a reset.
+    128  ready            u64[8]    ready[d]: combines rank d has finished reading (d writes it)
+    192  dispatch_ready   u64[8]    dispatch_ready[d]: dispatches rank d has consumed
+    256  expected         u64[8]    local: combine units promised so far, by sender
+    320  error            int32[4]  local: code, peer, detail (cuda/common/errors.cuh)
+The direct dispatch's token rows are counted per chunk, in a buffer of the dispatcher
+(epserve/dispatch/direct.py), not here. Counters only grow (docs/design.md, "Signalling and
+epochs"): nothing is reset between calls, so nothing races with a reset.
 """
 
 from __future__ import annotations
@@ -22,9 +21,8 @@ import numpy as np
 from epserve.errors import ConfigError, EPServeError, PeerTimeoutError, RankFailedError
 from epserve.runtime.kernel_structs import MAX_PEERS
 
-ARRIVE, COUNT_ARRIVE, TOKEN_ARRIVE, READY, DISPATCH_READY, EXPECTED, EXPECTED_TOKENS, ERROR = (
-    0, 64, 128, 192, 256, 320, 384, 448)
-SIZE = 512
+ARRIVE, COUNT_ARRIVE, READY, DISPATCH_READY, EXPECTED, ERROR = 0, 64, 128, 192, 256, 320
+SIZE = 384
 assert MAX_PEERS * 8 == COUNT_ARRIVE - ARRIVE, "each per-rank array of the layout holds 8 u64"
 
 _CODES = {

@@ -2,8 +2,9 @@
 rank at most once, through that rank's IPC-mapped token regions, and is expanded there into
 the expert-contiguous rows of the dispatch order, with counts exchanged on the device.
 
-No host wait and no MPI message: every rank's count row reaches every rank's table, so every
-rank's layout kernel reaches the same verdict (a rejected input, a bad expert id, a receive
+Three launches a call (epserve/dispatch/route.py's two, then the move kernel), no host wait
+and no MPI message: every rank's count row reaches every rank's table, so every rank's layout
+(the rank kernel's last CTA) reaches the same verdict (a rejected input, a bad expert id, a receive
 overflow) and writes it into the call status, which every later kernel reads. The rows,
 expert_offsets and src_info live in buffers sized for max_recv_rows, allocated once; the row
 count never leaves the device. A stopped call still runs every kernel (moving nothing) and
@@ -18,19 +19,19 @@ import cupy
 import numpy as np
 
 from epserve.comm import signals as sig
+from epserve.dispatch.route import Route
 from epserve.errors import EPServeError
 from epserve.runtime import kernels
-from epserve.runtime.kernel_structs import MAX_LOCAL_EXPERTS, i32, launch_arg, pack_dispatch_config, u64
+from epserve.runtime.kernel_structs import i32, launch_arg, pack_dispatch_config, u64
 from epserve.runtime.launch import LaunchSequence
 
 INPUT_REJECTED = 100  # EPSERVE_INPUT_REJECTED: the code a rank puts in its count row when its own input failed
 
 _NULL = u64(0)
 
-ROUTE_THREADS, ROUTE_WARPS, PUBLISH_THREADS, CHUNK, MOVE_THREADS = 256, 8, 1024, 32, 256  # as in dispatch.cu
+MOVE_THREADS = 256  # kMoveThreads in dispatch_common.cuh: a warp per token row
 ARRIVAL_CHUNK = 32  # kArrivalChunk in dispatch.cu: token rows per arrival counter
 RELEASE_THREADS = 256
-LAYOUT_THREADS = MAX_LOCAL_EXPERTS  # kLayoutThreads in dispatch.cu: a thread per local expert
 
 
 @dataclass
@@ -62,15 +63,12 @@ class DirectDispatcher:
         self._table = group.allocate(W * self.row * 4)
         self._tokens = group.allocate(W * max_tokens * hidden * 2)
         self._meta = group.allocate(W * max_tokens * self.meta_len * 4)
-        self._tok_pos = cupy.empty((max_tokens, W), np.int32)
-        self._slot_rank = cupy.empty((max_tokens, top_k), np.int32)
-        self._chunk_counts = cupy.empty(((max_tokens + CHUNK - 1) // CHUNK, self.E + W), np.int32)
+        self.route = Route("direct", num_experts=num_experts, world=W, top_k=top_k, max_tokens=max_tokens)
         self._base = cupy.empty((W, self.E // W), np.int32)
         self.status = cupy.zeros(2, np.int32)
         self.expert_offsets = cupy.zeros(self.E // W + 1, np.int32)
         self.rows = cupy.zeros((max_recv_rows, hidden), dtype)
         self.src_info = cupy.zeros(max_recv_rows, np.int32)
-        self._bad_slot = cupy.full(1, 0x7FFFFFFF, np.int32)  # route's lowest bad (t, j); publish resets it
         # Arrival counters [W][max_chunks] u64 on every rank, by sender and chunk of 32 token
         # rows; they only grow, and expected_chunk (local, the same shape) holds what the
         # earlier calls promised. Zeroed before any peer can count into them (the barrier).
@@ -83,16 +81,13 @@ class DirectDispatcher:
         # and zeroes it. fuse_release=False launches the release kernel instead (timing).
         self._done = cupy.zeros(1, np.uint32)
         self.fuse_release = True
+        # own_in_send: the send warps also store this rank's own expert rows, from the registers
+        # they loaded each row into (x read once, not twice); off, the expand blocks read x again
+        # for them. Bitwise the same rows either way; launch/jobs/time_dispatch.py times both.
+        self.own_in_send = False
         cupy.cuda.runtime.deviceSynchronize()
         group.comm.Barrier()
-        self._route_smem = ROUTE_WARPS * (self.E + W) * 4
         mod = kernels.module("dispatch")
-        self._count = mod.get_function("epserve_dispatch_route_count")
-        self._publish = mod.get_function("epserve_dispatch_route_publish")
-        self._rank = mod.get_function("epserve_dispatch_route_rank")
-        for fn in (self._count, self._rank):
-            fn.max_dynamic_shared_size_bytes = self._route_smem
-        self._layout = mod.get_function("epserve_dispatch_layout")
         self._move = mod.get_function("epserve_dispatch_move")
         self._release = mod.get_function("epserve_dispatch_release")
         self._sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
@@ -117,10 +112,8 @@ class DirectDispatcher:
         key = (T, rejected)
         shape = self._shapes.get(key)
         if shape is None:
-            chunks = (T + CHUNK - 1) // CHUNK
-            route_grid = (max(1, min(self._sms * 2, (chunks + ROUTE_WARPS - 1) // ROUTE_WARPS)),)
             send_blocks = max(1, min(self.send_blocks_max, (T + 7) // 8))
-            shape = self._shapes[key] = (i32(T), i32(INPUT_REJECTED if rejected else 0), route_grid,
+            shape = self._shapes[key] = (i32(T), i32(INPUT_REJECTED if rejected else 0),
                                          (send_blocks + self.expand_blocks,), i32(send_blocks))
         return shape
 
@@ -129,10 +122,8 @@ class DirectDispatcher:
         return pack_dispatch_config(
             count_table=self._table.peer_ptrs, tokens=self._tokens.peer_ptrs, meta=self._meta.peer_ptrs,
             count_arrive=[s.peer(d, sig.COUNT_ARRIVE) for d in range(W)],
-            token_arrive=[s.peer(d, sig.TOKEN_ARRIVE) for d in range(W)],
             ready=[s.peer(d, sig.DISPATCH_READY) for d in range(W)],
             my_ready=s.local(sig.DISPATCH_READY), my_count_arrive=s.local(sig.COUNT_ARRIVE),
-            my_token_arrive=s.local(sig.TOKEN_ARRIVE), expected_tokens=s.local(sig.EXPECTED_TOKENS),
             error=s.local(sig.ERROR), status=self.status.data.ptr, timeout_ns=self.timeout_ns, rank=self.rank,
             world=W, num_experts=self.E, top_k=self.k, hidden=self.H, max_tokens=self.max_tokens,
             max_recv_rows=self.max_recv_rows)
@@ -144,20 +135,18 @@ class DirectDispatcher:
         count row tells every rank to stop the call."""
         cfg = self._cfg
         T = 0 if rejected else x.shape[0]
-        t, code, route_grid, move_grid, send_blocks = self._launch_shape(T, rejected)
+        t, code, move_grid, send_blocks = self._launch_shape(T, rejected)
         if T == 0:
             x = topk_idx = _NULL  # a null pointer (an empty array's may be anything)
+        route = self.route
         specs = [
-            (self._count, route_grid, (ROUTE_THREADS,), (topk_idx, t, cfg, self._chunk_counts, self._bad_slot),
-             self._route_smem),
-            (self._publish, (1,), (PUBLISH_THREADS,), (topk_idx, t, code, cfg, self._chunk_counts, self._bad_slot), 0),
-            (self._rank, route_grid, (ROUTE_THREADS,), (topk_idx, t, cfg, self._chunk_counts, self._tok_pos,
-                                                        self._slot_rank), self._route_smem),
-            (self._layout, (1,), (LAYOUT_THREADS,), (cfg, self.expert_offsets, self._base), 0),
-            (self._move, move_grid, (MOVE_THREADS,), (x, t, topk_idx, self._tok_pos, self._slot_rank, cfg, self._base,
+            route.count_publish_spec(topk_idx, T, t, code, cfg),
+            route.rank_layout_spec(topk_idx, T, t, cfg, self.expert_offsets, self._base),
+            (self._move, move_grid, (MOVE_THREADS,), (x, t, topk_idx, route.tok_pos, route.slot_rank, cfg, self._base,
                                                       self.rows, self.src_info, self.expert_offsets, send_blocks,
                                                       self._chunk_ptrs, self._expected_chunk, self._max_chunks_arg,
-                                                      self._done if self.fuse_release else _NULL), 0),
+                                                      self._done if self.fuse_release else _NULL,
+                                                      i32(1 if self.own_in_send else 0)), 0),
         ]
         if not self.fuse_release:
             specs.append((self._release, (1,), (RELEASE_THREADS,), (cfg, self._expected_chunk, self._max_chunks_arg),

@@ -2,12 +2,12 @@
 no MPI call and no host wait (docs/design.md, "Dispatch", "Synchronisation").
 
 Dispatch, per call, all on the current stream:
-  route count, publish   the direct dispatch's route (cuda/comm/dispatch.cu); the count row
+  count + publish        the direct dispatch's route (epserve/dispatch/route.py); the count row
                          (rows per expert, tokens per destination, an error code) goes into this
                          rank's row of a local table [W][E + W + 1]
   ncclAllGather          in place: every rank's count row into every rank's table
-  route rank             each slot's rank in its expert, each token's position per destination
-  layout                 the direct dispatch's layout and verdict, from that table, plus the
+  rank + layout          each slot's rank in its expert, each token's position per destination;
+                         then the direct dispatch's layout and verdict, from that table, plus the
                          combine's return positions
   pack                   each token row once per destination rank (deduplicated), into that
                          destination's block of max_tokens rows, its routing beside it
@@ -32,19 +32,12 @@ import cupy
 import numpy as np
 
 from epserve.comm import signals as sig
-from epserve.dispatch.direct import (
-    CHUNK,
-    INPUT_REJECTED,
-    LAYOUT_THREADS,
-    MOVE_THREADS,
-    PUBLISH_THREADS,
-    ROUTE_THREADS,
-    ROUTE_WARPS,
-    Dispatched,
-)
+from epserve.dispatch.direct import INPUT_REJECTED, MOVE_THREADS, Dispatched
+from epserve.dispatch.route import Route
 from epserve.errors import EPServeError
 from epserve.runtime import kernels
 from epserve.runtime.kernel_structs import i32, launch_arg, pack_dispatch_config, u64
+from epserve.runtime.launch import LaunchSequence
 
 _NULL = u64(0)
 
@@ -116,27 +109,17 @@ class NcclDispatcher:
         self._send_meta = cupy.zeros(max(1, W - 1) * T * self.meta_len, np.int32)
         self._recv_tok = cupy.empty((W * T, H), self.dtype)
         self._recv_meta = cupy.zeros(W * T * self.meta_len, np.int32)
-        self._tok_pos = cupy.empty((T, W), np.int32)
-        self._slot_rank = cupy.empty((T, k), np.int32)
-        self._chunk_counts = cupy.empty(((T + CHUNK - 1) // CHUNK, E + W), np.int32)
+        self.route = Route("nccl", num_experts=E, world=W, top_k=k, max_tokens=T)
         self._base = cupy.empty((W, self.e_loc), np.int32)
         self._ret_base = cupy.empty((W, self.e_loc), np.int32)
         self._home_base = cupy.empty(E, np.int32)
         self.home_idx = cupy.full(T * k, -1, np.int32)
         self.ret_idx = cupy.full(self.max_recv_rows, -1, np.int32)
-        self._bad_slot = cupy.full(1, 0x7FFFFFFF, np.int32)
         self.status = cupy.zeros(2, np.int32)
         self.expert_offsets = cupy.zeros(self.e_loc + 1, np.int32)
         self.rows = cupy.zeros((self.max_recv_rows, H), self.dtype)
         self.src_info = cupy.zeros(self.max_recv_rows, np.int32)
         mod = kernels.module("dispatch")
-        self._route_smem = ROUTE_WARPS * (E + W) * 4
-        self._count = mod.get_function("epserve_dispatch_route_count")
-        self._rank_fn = mod.get_function("epserve_dispatch_route_rank")
-        for fn in (self._count, self._rank_fn):
-            fn.max_dynamic_shared_size_bytes = self._route_smem
-        self._publish = mod.get_function("epserve_nccl_dispatch_publish")
-        self._layout = mod.get_function("epserve_nccl_dispatch_layout")
         self._pack = mod.get_function("epserve_nccl_dispatch_pack")
         self._expand = mod.get_function("epserve_nccl_dispatch_expand")
         self._sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
@@ -144,13 +127,16 @@ class NcclDispatcher:
         # buffers as arguments. Packed and wrapped once.
         none = [0] * W
         self._cfg = launch_arg(pack_dispatch_config(
-            count_table=none, tokens=none, meta=none, count_arrive=none, token_arrive=none, ready=none, my_ready=0,
-            my_count_arrive=0, my_token_arrive=0, expected_tokens=0, error=self.signals.local(sig.ERROR),
+            count_table=none, tokens=none, meta=none, count_arrive=none, ready=none, my_ready=0, my_count_arrive=0,
+            error=self.signals.local(sig.ERROR),
             status=self.status.data.ptr, timeout_ns=0, rank=self.rank, world=W, num_experts=E, top_k=k, hidden=H,
             max_tokens=T, max_recv_rows=self.max_recv_rows))
         self._expand_grid = (max(1, min(self._sms * 4, (W * T + 7) // 8)),)
         self._pinned = cupy.cuda.alloc_pinned_memory(4)
         self._shapes = {}
+        # The dispatch's launches, prepared once per (T, rejected), in three runs around the two
+        # NCCL calls: a call rewrites only x and topk_idx.
+        self.launches = LaunchSequence()
         self._ready = True
 
     def _setup_combine(self) -> None:
@@ -170,10 +156,8 @@ class NcclDispatcher:
         key = (T, rejected)
         shape = self._shapes.get(key)
         if shape is None:
-            chunks = (T + CHUNK - 1) // CHUNK
-            route_grid = (max(1, min(self._sms * 2, (chunks + ROUTE_WARPS - 1) // ROUTE_WARPS)),)
             pack_grid = (max(1, min(self._sms * 2, (T + 7) // 8)),)
-            shape = self._shapes[key] = (i32(T), i32(INPUT_REJECTED if rejected else 0), route_grid, pack_grid)
+            shape = self._shapes[key] = (i32(T), i32(INPUT_REJECTED if rejected else 0), pack_grid)
         return shape
 
     def _exchange(self, pairs) -> None:
@@ -206,32 +190,32 @@ class NcclDispatcher:
         self._setup()
         cfg, W = self._cfg, self.world
         T = 0 if rejected else x.shape[0]
-        t, code, route_grid, pack_grid = self._launch_shape(T, rejected)
+        t, code, pack_grid = self._launch_shape(T, rejected)
         if T == 0:
             x = topk_idx = _NULL
         stream = cupy.cuda.get_current_stream().ptr
-        self._count(route_grid, (ROUTE_THREADS,), (topk_idx, t, cfg, self._chunk_counts, self._bad_slot),
-                    shared_mem=self._route_smem)
-        self._publish((1,), (PUBLISH_THREADS,), (topk_idx, t, code, cfg, self._chunk_counts, self._bad_slot,
-                                                 self._table))
+        route, key = self.route, (T, rejected)
+        self.launches.run(("route",) + key, [route.count_publish_spec(topk_idx, T, t, code, cfg, self._table)], stream)
         row_bytes = self.row * 4
         if W > 1:
             self.nccl.allGather(self._table.data.ptr + self.rank * row_bytes, self._table.data.ptr, row_bytes,
                                 nccl.NCCL_UINT8, stream)
-        self._rank_fn(route_grid, (ROUTE_THREADS,), (topk_idx, t, cfg, self._chunk_counts, self._tok_pos,
-                                                     self._slot_rank), shared_mem=self._route_smem)
-        self._layout((1,), (LAYOUT_THREADS,), (cfg, self._table, self.expert_offsets, self._base, self._ret_base,
-                                               self._home_base))
-        self._pack(pack_grid, (MOVE_THREADS,), (x, t, topk_idx, self._tok_pos, self._slot_rank, cfg, self._send_tok,
-                                                self._send_meta, self._recv_tok, self._recv_meta, self._home_base,
-                                                self.home_idx, i32(self.combine_cap)))
+        self.launches.run(("plan",) + key, [
+            route.rank_layout_spec(topk_idx, T, t, cfg, self._table, self.expert_offsets, self._base, self._ret_base,
+                                   self._home_base),
+            (self._pack, pack_grid, (MOVE_THREADS,), (x, t, topk_idx, route.tok_pos, route.slot_rank, cfg,
+                                                      self._send_tok, self._send_meta, self._recv_tok, self._recv_meta,
+                                                      self._home_base, self.home_idx, i32(self.combine_cap)), 0),
+        ], stream)
         if W > 1:
             T_max = self.max_tokens
             self._exchange(((self._send_tok, self._recv_tok, T_max * self.H * 2, True),
                             (self._send_meta, self._recv_meta, T_max * self.meta_len * 4, True)))
-        self._expand(self._expand_grid, (MOVE_THREADS,), (cfg, self._table, self._recv_tok, self._recv_meta,
-                                                          self._base, self._ret_base, self.rows, self.src_info,
-                                                          self.ret_idx, i32(self.combine_cap)))
+        self.launches.run(("expand",), [
+            (self._expand, self._expand_grid, (MOVE_THREADS,), (cfg, self._table, self._recv_tok, self._recv_meta,
+                                                                self._base, self._ret_base, self.rows, self.src_info,
+                                                                self.ret_idx, i32(self.combine_cap)), 0),
+        ], stream)
 
     def rows_received(self) -> int:
         """This call's row count, read on the host (waits for the stream): for the public

@@ -63,6 +63,12 @@ class ForeignDLPack:
 
 
 
+def experts_for(E, world):
+    """A shape's expert count, rounded up to a multiple of the ranks (every rank owns the same
+    number), so every shape runs at 4 and 8 ranks too."""
+    return -(-E // world) * world
+
+
 def tokens_for(call, world):
     return [call[r % len(call)] + 2 * (r // len(call)) for r in range(world)]
 
@@ -80,6 +86,7 @@ def expect_error_everywhere(comm, label, fn):
 
 def run_shape(comm, name, H, I, E, k, calls, opts, seed):
     rank, world = comm.Get_rank(), comm.Get_size()
+    E = experts_for(E, world)
     max_tokens = max(max(tokens_for(c, world)) for c in calls)
     cfg = MoEConfig(E, k, H, I, max_tokens, world_size=world, wait_timeout_s=20.0)
     failures, info = [], {"calls": 0}

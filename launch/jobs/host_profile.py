@@ -69,6 +69,44 @@ def host_ms(fn, calls: int) -> float:
     return took * 1e3 / calls
 
 
+def host_breakdown(svc, fn, calls: int) -> dict:
+    """Host time per call of each stage of an eager forward (issued behind a long kernel, as
+    host_ms): the input checks, the dispatch's launches, GEMM 1's, the combine's (GEMM 2 with
+    its reduction) and the rest, so the 50 us target can be chased stage by stage. The
+    launches are timed inside their stages too; xN is how many times a stage ran per call."""
+    from epserve.runtime import launch as launch_mod
+
+    spent, counts = {}, {}
+
+    def timed(name, method):
+        def wrapper(*a, **k):
+            counts[name] = counts.get(name, 0) + 1
+            t0 = time.perf_counter()
+            try:
+                return method(*a, **k)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+        return wrapper
+
+    patched = [(svc, "_tokens"), (svc, "_weights"), (svc.direct, "enqueue"), (svc._gemm1, "run"),
+               (svc.combiner, "fused"), (launch_mod.PreparedLaunch, "__call__")]
+    saved = [(obj, name, obj.__dict__.get(name)) for obj, name in patched]
+    for obj, name in patched:
+        setattr(obj, name, timed(name if obj is not launch_mod.PreparedLaunch else "one launch (all)",
+                                 getattr(obj, name)))
+    try:
+        total = host_ms(fn, calls) * 1e3
+    finally:
+        for obj, name, old in saved:
+            if old is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+    out = {f"{k} x{counts[k] / calls:g}": v * 1e6 / calls for k, v in spent.items()}
+    out["forward (whole)"] = total
+    return out
+
+
 def launch_floor_us() -> tuple[float, float]:
     """Host time of one bare CuPy launch (one pre-wrapped argument; fourteen), for scale: a
     forward is about a dozen launches."""
@@ -142,6 +180,11 @@ def main():
             hs = f"{host_ms(fn, 20):>9.4f}" if "check=F" in name else f"{'-':>9}"
             if rank == 0:
                 print(f"{name:<22}{g:>9.3f}{wl:>9.3f}{hs}", flush=True)
+        if rank == 0:
+            print("# host time of 'forward p+d check=F' by stage, us per call:")
+        for stage, us in host_breakdown(svc, paths["forward p+d check=F"], 20).items():
+            if rank == 0:
+                print(f"#   {stage:<28}{us:>8.1f}")
         one, many = launch_floor_us()
         if rank == 0:
             print(f"# one bare launch: {one:.2f} us of host time (1 argument), {many:.2f} us (14 arguments)")

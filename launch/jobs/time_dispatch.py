@@ -1,7 +1,7 @@
 """The direct dispatch alone, kernel by kernel, under the launcher (issue 13):
 
     python launch/run.py -n 2 -- python -m mpi4py launch/jobs/time_dispatch.py [--preset dsv3-prefill]
-        [--tokens 4096] [--iters 20] [--grids 132:264,64:264]
+        [--tokens 4096] [--iters 20] [--grids 132:264,64:264] [--own-grids 132:264,264:132]
 
 At the preset's shape with the bench's balanced routing (seed 17 + T) and the bench's x, it
 times, the slowest rank reported:
@@ -11,9 +11,11 @@ times, the slowest rank reported:
             behind an untimed one, so the ranks start it together; the time from each
             kernel's launch to the next one's is that kernel's share (a kernel that waits for
             a peer, layout for the count rows, move for the token rows, includes the wait)
-and, where the dispatcher has them (send_blocks_max, expand_blocks, fuse_release), the same
-per kernel for each move grid in --grids (send blocks : expand blocks) and with the release
-kernel instead of the move kernel's last block; then the move kernel's phases, from a build
+and, where the dispatcher has them (send_blocks_max, expand_blocks, fuse_release, own_in_send),
+the same per kernel for each move grid in --grids (send blocks : expand blocks), with the
+release kernel instead of the move kernel's last block, and with the send warps storing this
+rank's own expert rows (own_in_send) for the default grid and each in --own-grids; then the
+move kernel's phases (the default configuration), from a build
 with EPSERVE_DISPATCH_STAMPS (global-timer stamps per block): when the sends end, when this
 rank's own rows are expanded, when the expansion ends. After every configuration the rows,
 expert_offsets and src_info must equal the host plan's (epserve/dispatch/host_plan.py, moved by the
@@ -36,8 +38,33 @@ from epserve.bench import presets
 from epserve.bench.events import samples_ms
 from epserve.comm import mpi as ep_comm
 
-KERNELS = (("route_count", "_count"), ("route_publish", "_publish"), ("route_rank", "_rank"),
-           ("layout", "_layout"), ("move", "_move"), ("release", "_release"))
+# (column, attribute path on the dispatcher); a kernel the dispatcher lacks is left out. The
+# names before the route merge (route_count, ...) let this job time an older tree too.
+KERNELS = (("route_count", "_count"), ("route_publish", "_publish"), ("count+publish", "route.count_publish"),
+           ("route_rank", "_rank"), ("layout", "_layout"), ("rank+layout", "route.rank_layout"), ("move", "_move"),
+           ("release", "_release"))
+
+
+def _get(obj, path: str):
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _set(obj, path: str, value) -> None:
+    *owner, last = path.split(".")
+    setattr(_get(obj, ".".join(owner)) if owner else obj, last, value)
+
+
+def present_kernels(d) -> tuple:
+    def has(path):
+        try:
+            _get(d, path)
+            return True
+        except AttributeError:
+            return False
+
+    return tuple((name, path) for name, path in KERNELS if has(path))
 
 
 class Stamped:
@@ -59,8 +86,9 @@ class Stamped:
 def kernel_ms(comm, d, x, idx, iters: int) -> dict:
     """Median per-kernel and total GPU milliseconds of `iters` enqueues, the slowest rank."""
     stamps: list = []
-    saved = {attr: getattr(d, attr) for _, attr in KERNELS}
-    per = {name: [] for name, _ in KERNELS}
+    kernels = present_kernels(d)
+    saved = {attr: _get(d, attr) for _, attr in kernels}
+    per = {name: [] for name, _ in kernels}
     per["total"] = []
     d.launches.prepared = False  # each launch through the wrapped kernel, so it can be stamped
     try:
@@ -68,14 +96,14 @@ def kernel_ms(comm, d, x, idx, iters: int) -> dict:
             cupy.cuda.runtime.deviceSynchronize()
             comm.Barrier()
             d.enqueue(x, idx)  # untimed: absorbs the ranks' skew
-            for name, attr in KERNELS:
-                setattr(d, attr, Stamped(saved[attr], name, stamps))
+            for name, attr in kernels:
+                _set(d, attr, Stamped(saved[attr], name, stamps))
             stamps.clear()
             d.enqueue(x, idx)
             end = cupy.cuda.Event()
             end.record()
-            for name, attr in KERNELS:
-                setattr(d, attr, saved[attr])
+            for name, attr in kernels:
+                _set(d, attr, saved[attr])
             end.synchronize()
             marks = stamps + [("end", end)]
             for (name, ev), (_, nxt) in zip(marks, marks[1:]):
@@ -83,7 +111,7 @@ def kernel_ms(comm, d, x, idx, iters: int) -> dict:
             per["total"].append(cupy.cuda.get_elapsed_time(marks[0][1], end))
     finally:
         for attr, fn in saved.items():
-            setattr(d, attr, fn)
+            _set(d, attr, fn)
         d.launches.prepared = True
     med = {name: float(np.median(v)) if v else 0.0 for name, v in per.items()}
     return {name: comm.allreduce(ms, op=MPI.MAX) for name, ms in med.items()}
@@ -140,6 +168,7 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--seed", type=int, default=17, help="the bench's seed (routing seed + T, x seed + 1000 rank)")
     p.add_argument("--grids", default="", help="move grids to try, send:expand blocks, comma-separated")
+    p.add_argument("--own-grids", default="", help="move grids to try with own_in_send, besides the default one")
     args = p.parse_args()
     comm = ep_comm.world()
     rank, world = comm.Get_rank(), comm.Get_size()
@@ -176,30 +205,38 @@ def main():
         comm.Barrier()
         call = comm.allreduce(float(np.median(samples_ms(lambda: svc.dispatch(x, idx, w, "direct"), 3, args.iters))),
                               op=MPI.MAX)
-        grids = [("default", None)]
-        if hasattr(d, "send_blocks_max"):
-            grids[0] = (f"default {d.send_blocks_max}:{d.expand_blocks}", None)
-            for spec in filter(None, args.grids.split(",")):
-                s, e = (int(v) for v in spec.split(":"))
-                grids.append((f"{s}:{e}", (s, e)))
-        if hasattr(d, "fuse_release"):
-            grids.append(("default, release kernel", "unfused"))
         default = (getattr(d, "send_blocks_max", None), getattr(d, "expand_blocks", None))
-        for label, grid in grids:
-            if grid == "unfused":
-                d.send_blocks_max, d.expand_blocks = default
-                d._shapes.clear()
-                d.fuse_release = False
-                wrong = check(label)
-            elif grid is not None:
-                d.send_blocks_max, d.expand_blocks = grid
-                d._shapes.clear()
+
+        def parse(specs):
+            return [tuple(int(v) for v in spec.split(":")) for spec in filter(None, specs.split(","))]
+
+        # (label, grid or None for the default, own_in_send, fuse_release)
+        configs = [("default", None, False, True)]
+        if default[0] is not None:
+            configs[0] = (f"default {default[0]}:{default[1]}", None, False, True)
+            configs += [(f"{s}:{e}", (s, e), False, True) for s, e in parse(args.grids)]
+        if hasattr(d, "fuse_release"):
+            configs.append(("default, release kernel", None, False, False))
+        if hasattr(d, "own_in_send"):
+            configs.append((f"own in send {default[0]}:{default[1]}", None, True, True))
+            configs += [(f"own in send {s}:{e}", (s, e), True, True) for s, e in parse(args.own_grids)]
+        for n, (label, grid, own, fused) in enumerate(configs):
+            if n:  # the first is what the dispatcher does already, checked above
+                if default[0] is not None:
+                    d.send_blocks_max, d.expand_blocks = grid or default
+                    d._shapes.clear()
+                if hasattr(d, "fuse_release"):
+                    d.fuse_release = fused
+                if hasattr(d, "own_in_send"):
+                    d.own_in_send = own
                 wrong = check(label)
             ms = kernel_ms(comm, d, x, idx, args.iters)
             rows.append((label, ms, wrong))
         if default[0] is not None:
             d.send_blocks_max, d.expand_blocks = default
             d._shapes.clear()
+        if hasattr(d, "own_in_send"):
+            d.own_in_send = False
         if hasattr(d, "fuse_release"):
             d.fuse_release = True
             check("default again")
@@ -210,24 +247,32 @@ def main():
         odd[::5, 1] = odd[::5, 0]
         odd[::3, k - 1] = -1
         plan = svc._host_plan(odd)
-        odd_wrong = comm.allreduce(wrong_bits(svc.dispatch(x, odd, w, "direct"),
-                                              (svc.baseline.dispatch(x, plan), plan.expert_offsets, plan.src_info)))
+        odd_ref = (svc.baseline.dispatch(x, plan), plan.expert_offsets, plan.src_info)
+        odd_wrong = comm.allreduce(wrong_bits(svc.dispatch(x, odd, w, "direct"), odd_ref))
+        if hasattr(d, "own_in_send"):  # the same with the send warps storing the own rows
+            d.own_in_send = True
+            odd_wrong += comm.allreduce(wrong_bits(svc.dispatch(x, odd, w, "direct"), odd_ref))
+            d.own_in_send = False
         bad += odd_wrong
         svc.check()
         M = int(ref[1][-1])
-        sent = int(cupy.count_nonzero(d._tok_pos[:T] >= 0)) if hasattr(d, "_tok_pos") else 0
+        tok_pos = getattr(d, "_tok_pos", None)
+        if tok_pos is None and hasattr(d, "route"):
+            tok_pos = d.route.tok_pos
+        sent = int(cupy.count_nonzero(tok_pos[:T] >= 0)) if tok_pos is not None else 0
         sent_all = comm.gather(sent)
         if rank == 0:
             print(f"# time_dispatch: {world} ranks, {args.preset} T={T} H={H} E={E} k={k}, balanced routing, "
                   f"rows received by rank 0: {M}; token rows (all destinations) by rank: {sent_all}; "
                   f"{args.iters} iterations, median, slowest rank; NCCL dispatch #wrong {nccl_wrong}")
             print(f"call (EPService.dispatch, as the bench's dispatch-direct): {call * 1e3:.1f} us")
-            names = [n for n, _ in KERNELS] + ["total"]
-            print(f"{'move grid':<22}" + "".join(f"{n:>14}" for n in names) + f"{'#wrong':>8}")
+            names = [n for n, _ in present_kernels(d)] + ["total"]
+            print(f"{'move grid':<26}" + "".join(f"{n:>14}" for n in names) + f"{'#wrong':>8}")
             for label, ms, wr in rows:
-                print(f"{label:<22}" + "".join(f"{ms[n] * 1e3:>14.1f}" for n in names) + f"{wr:>8}")
+                print(f"{label:<26}" + "".join(f"{ms.get(n, 0.0) * 1e3:>14.1f}" for n in names) + f"{wr:>8}")
             print("# times in us; each kernel's is from its launch to the next kernel's on the stream")
-            print(f"routing with repeated experts and unused slots: #wrong {odd_wrong}")
+            print(f"routing with repeated experts and unused slots (own_in_send off and on, where it exists): "
+                  f"#wrong {odd_wrong}")
             if phases:
                 print("move, default grid, from its first block's start (us): "
                       + ", ".join(f"{name} {v:.1f}" for name, v in phases.items()))

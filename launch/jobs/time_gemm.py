@@ -49,6 +49,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="dsv3-prefill", choices=sorted(presets.PRESETS))
     p.add_argument("--ranks", type=int, default=2, help="ranks the preset's experts are spread over (default 2)")
+    p.add_argument("--tokens", type=int, help="tokens per rank (default: the preset's)")
     p.add_argument("--routing", nargs="+", default=["uniform", "balanced", "skewed"],
                    help="uniform, balanced, skewed or skewed:<exponent> (default: all three)")
     p.add_argument("--seed", type=int, default=1)
@@ -58,7 +59,7 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=15)
     args = p.parse_args()
-    preset = presets.get_preset(args.preset)
+    preset = presets.scaled(presets.get_preset(args.preset), tokens_per_rank=args.tokens)
     H, I, E = preset.hidden, preset.intermediate, preset.num_experts // args.ranks
     for name, (base, defines) in VARIANTS.items():
         source, base_defines = kernels.VARIANTS[base]

@@ -88,9 +88,9 @@ def test_pack_fills_fields():
 
 def test_pack_names_missing_and_unknown_fields():
     with pytest.raises(ValueError, match="missing.*hidden"):
-        pack_dispatch_config(world=1, count_table=[1], tokens=[1], meta=[1], count_arrive=[1], token_arrive=[1],
-                             ready=[1], my_ready=1, my_count_arrive=1, my_token_arrive=1, expected_tokens=1, error=1,
-                             status=1, timeout_ns=1, rank=0, num_experts=1, top_k=1, max_tokens=1)
+        pack_dispatch_config(world=1, count_table=[1], tokens=[1], meta=[1], count_arrive=[1], ready=[1],
+                             my_ready=1, my_count_arrive=1, error=1, status=1, timeout_ns=1, rank=0, num_experts=1,
+                             top_k=1, max_tokens=1)
     with pytest.raises(ValueError, match="unknown.*bogus"):
         pack_peer_send_config(world=1, bogus=1)
 

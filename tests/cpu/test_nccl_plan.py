@@ -141,8 +141,12 @@ def test_every_kernel_the_nccl_path_launches_is_in_the_dispatch_module(tmp_path,
     monkeypatch.setenv("EPSERVE_CACHE_DIR", str(tmp_path / "cache"))
     source, defines = kernels.VARIANTS["dispatch"]
     ptx = build.compile_source(source, defines).ptx.read_text()
-    here = pathlib.Path(__file__).resolve().parents[2] / "epserve" / "dispatch" / "nccl.py"
-    names = set(re.findall(r'"(epserve_\w+)"', here.read_text()))
-    assert {"epserve_nccl_dispatch_publish", "epserve_nccl_combine_unpack"} <= names
+    # The NCCL path's own kernels, and the route kernels it shares with the direct dispatch.
+    here = pathlib.Path(__file__).resolve().parents[2] / "epserve" / "dispatch"
+    names = set()
+    for path in (here / "nccl.py", here / "route.py"):
+        names |= set(re.findall(r'"(epserve_\w+)"', path.read_text()))
+    assert {"epserve_nccl_dispatch_count_publish", "epserve_nccl_dispatch_rank_layout",
+            "epserve_nccl_combine_unpack"} <= names
     for name in names:
         assert re.search(rf"\.entry {name}\(", ptx), name

@@ -1,0 +1,122 @@
+// What the dispatch kernels (cuda/comm/dispatch.cu) share: block sizes, row copies, a block
+// scan and the "last CTA to finish" counter. Included once, by dispatch.cu.
+#pragma once
+#include "comm/dispatch_config.cuh"
+#include "common/errors.cuh"
+#include "common/ptx.cuh"
+#include "common/src_info.cuh"
+
+using namespace epserve;
+
+namespace {
+
+constexpr int kLayoutThreads = EPSERVE_MAX_LOCAL_EXPERTS;  // a thread per local expert
+// count + publish: a warp per chunk counts; the last CTA's scan takes a thread per counter
+constexpr int kCountThreads = 1024;
+// rank + layout: a warp per chunk ranks; the last CTA's layout takes a thread per local expert
+constexpr int kRankThreads = kLayoutThreads;
+constexpr int kRankWarps = kRankThreads / 32;
+constexpr int kChunk = 32;          // tokens per warp-chunk in route
+constexpr int kMoveThreads = 256;   // send and expand: a warp per token row
+constexpr int kMaxTopK = 16;        // MoEConfig's limit (src_info packs the slot in 4 bits)
+
+// What other GPUs wrote, read from L2 (never a stale L1 line). Not volatile: the reads
+// follow an acquire and a barrier, and the compiler may batch them.
+__device__ __forceinline__ int ld_cg_s32(const int* p) { return __ldcg(p); }
+
+// Exclusive scan of one value per thread over a block of kLayoutThreads; *total gets the sum.
+__device__ int block_exclusive_scan(int v, int* warp_sums, int* total) {
+  constexpr int kWarps = kLayoutThreads / 32;
+  static_assert(kWarps <= 32, "one warp scans the warp sums");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    const int w = lane < kWarps ? warp_sums[lane] : 0;
+    int sum = w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, sum, o);
+      if (lane >= o) sum += y;
+    }
+    if (lane < kWarps) warp_sums[lane] = sum - w;
+    if (lane == 31) *total = sum;
+  }
+  __syncthreads();
+  return warp_sums[warp] + x - v;
+}
+
+// One warp copies a row of n16 16-byte chunks. Loads and stores are volatile asm, which
+// keeps them in program order: four loads go out before their stores, so a warp has four in
+// flight instead of one (the copy is bound by bytes in flight, not by instructions). ld_cg:
+// a row another GPU wrote must not come from a stale L1 line; st_v4: the destination may be
+// a peer's memory.
+__device__ __forceinline__ void copy_row(uint4* dst, const uint4* src, int n16, int lane) {
+  constexpr int kUnroll = 4;
+  int c = lane;
+  for (; c + 32 * (kUnroll - 1) < n16; c += 32 * kUnroll) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = ld_cg_v4(src + c + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) st_v4(dst + c + 32 * u, v[u]);
+  }
+  for (; c < n16; c += 32) st_v4(dst + c, ld_cg_v4(src + c));
+}
+
+// One warp copies a row of n16 16-byte chunks to several destination rows at once: lane j
+// holds destination j's address in my_dst, for each bit j of `lanes`. The row is read once
+// (four chunks a lane in flight, as copy_row) and each piece stored to every destination
+// from registers, so a row feeding four experts costs one read, not four.
+__device__ __forceinline__ void copy_row_to_many(uint4* my_dst, unsigned lanes, const uint4* src, int n16, int lane) {
+  constexpr int kUnroll = 4;
+  int b = 0;  // warp-uniform, so every lane takes part in every shuffle
+  for (; b + 32 * kUnroll <= n16; b += 32 * kUnroll) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = ld_cg_v4(src + b + lane + 32 * u);
+    for (unsigned m = lanes; m; m &= m - 1) {
+      uint4* dst = reinterpret_cast<uint4*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(my_dst), __ffs(m) - 1));
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) st_v4(dst + b + lane + 32 * u, v[u]);
+    }
+  }
+  for (; b < n16; b += 32) {
+    const bool in = b + lane < n16;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (in) v = ld_cg_v4(src + b + lane);
+    for (unsigned m = lanes; m; m &= m - 1) {
+      uint4* dst = reinterpret_cast<uint4*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(my_dst), __ffs(m) - 1));
+      if (in) st_v4(dst + b + lane, v);
+    }
+  }
+}
+
+// True in the last CTA of the grid to get here, once every other CTA's writes before its
+// call are visible to it. That CTA resets *done, so the next launch or CUDA graph replay
+// finds it zero with no memset (*done starts zeroed when the buffer is made). Every thread
+// of every CTA must call it, once per launch.
+__device__ bool last_block_to_finish(unsigned* done) {
+  __shared__ int last;
+  __threadfence();  // this thread's writes, before its CTA counts itself done
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(done, 1u) == gridDim.x - 1;
+    if (last) {
+      __threadfence();  // the other CTAs' writes, before this one reads them
+      *done = 0;        // every CTA has counted: ready for the next launch
+    }
+  }
+  __syncthreads();
+  return last;
+}
+
+}  // namespace

@@ -1,0 +1,197 @@
+// The dispatch's route (cuda/comm/dispatch.cu), shared by both transports: count each chunk
+// of 32 tokens, scan the chunks into the count row and the chunk bases, rank each slot and
+// position each token. Included once, by dispatch.cu, after dispatch_common.cuh.
+#pragma once
+#include "comm/dispatch_common.cuh"
+
+namespace {
+
+// Count, over many CTAs: each warp counts one chunk of 32 tokens (rows per global expert,
+// tokens per destination) into chunk_counts; a bad expert id's slot goes to *bad_slot (the
+// lowest wins). Dynamic shared memory: (blockDim.x / 32) * (E + W) ints.
+__device__ void count_chunks(const int* __restrict__ topk_idx, int T, const DispatchConfig& cfg,
+                             int* __restrict__ chunk_counts, int* __restrict__ bad_slot) {
+  extern __shared__ int smem[];
+  const int E = cfg.num_experts, W = cfg.world, k = cfg.top_k, e_loc = E / W, width = E + W;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  int* mine = smem + warp * width;
+  const int chunks = (T + kChunk - 1) / kChunk;
+  for (int c = blockIdx.x * warps + warp; c < chunks; c += gridDim.x * warps) {
+    for (int i = lane; i < width; i += 32) mine[i] = 0;
+    __syncwarp();
+    const int t = c * kChunk + lane;
+    if (t < T) {
+      unsigned dests = 0;
+      for (int j = 0; j < k; ++j) {
+        const int e = topk_idx[t * k + j];
+        if (e < -1 || e >= E) {
+          atomicMin(bad_slot, t * k + j);
+          continue;
+        }
+        if (e < 0) continue;
+        atomicAdd(&mine[e], 1);
+        dests |= 1u << (e / e_loc);
+      }
+      for (int d = 0; d < W; ++d)
+        if (dests >> d & 1) atomicAdd(&mine[E + d], 1);
+    }
+    __syncwarp();
+    for (int i = lane; i < width; i += 32) chunk_counts[c * width + i] = mine[i];
+    __syncwarp();
+  }
+}
+
+// The scan, by the one CTA (the last of the count grid) that sees every chunk's counts: an
+// exclusive scan over the chunks, one counter per thread, turns chunk_counts into chunk bases
+// and leaves the totals (this rank's count row) in totals; thread 0 takes the lowest bad slot
+// into *bad, resets *bad_slot for the next call and records a bad expert id of this rank's
+// own routing. The other CTAs wrote chunk_counts and *bad_slot in this launch: read from L2.
+__device__ void route_totals(const int* __restrict__ topk_idx, int T, int input_error, const DispatchConfig& cfg,
+                             int* __restrict__ chunk_counts, int* __restrict__ bad_slot, int* totals, int* bad) {
+  const int E = cfg.num_experts, W = cfg.world, k = cfg.top_k, width = E + W;
+  const int chunks = (T + kChunk - 1) / kChunk;
+  // The chunks split into `parts` runs, a thread per (counter, run), so the block's threads
+  // all load at once: each run's sum, then each run rewritten from the sum of the runs
+  // before it. partial[p * width + i]: run p's sum of counter i.
+  __shared__ int partial[kCountThreads > EPSERVE_MAX_EXPERTS + EPSERVE_MAX_PEERS ? kCountThreads
+                                                                                  : EPSERVE_MAX_EXPERTS + EPSERVE_MAX_PEERS];
+  const int parts = max(1, static_cast<int>(blockDim.x) / width), per = (chunks + parts - 1) / parts;
+  for (int x = threadIdx.x; x < parts * width; x += blockDim.x) {
+    const int p = x / width, i = x - p * width, end = min(chunks, (p + 1) * per);
+    int sum = 0;
+#pragma unroll 8
+    for (int c = p * per; c < end; ++c) sum += __ldcg(chunk_counts + c * width + i);
+    partial[x] = sum;
+  }
+  __syncthreads();
+  for (int x = threadIdx.x; x < parts * width; x += blockDim.x) {
+    const int p = x / width, i = x - p * width, end = min(chunks, (p + 1) * per);
+    int run = 0;
+    for (int q = 0; q < p; ++q) run += partial[q * width + i];
+#pragma unroll 8
+    for (int c = p * per; c < end; ++c) {
+      const int v = __ldcg(chunk_counts + c * width + i);
+      chunk_counts[c * width + i] = run;
+      run += v;
+    }
+    if (p == parts - 1) totals[i] = run;
+  }
+  if (threadIdx.x == 0) {
+    *bad = atomicExch(bad_slot, 0x7fffffff);  // the other CTAs' atomicMin live in L2
+    if (!input_error && *bad != 0x7fffffff) record_error(cfg.error, kDispatchBadExpert, *bad / k, topk_idx[*bad]);
+  }
+}
+
+// The direct transport's publish, by one CTA after route_totals: once every rank has released
+// this rank's previous dispatch, the count row (an error code last: this rank's rejected
+// input, or a bad expert id in its routing) goes to every rank's table, then a release on
+// each rank's count counter for this rank.
+__device__ void publish_count_row(const DispatchConfig& cfg, const int* totals, int bad, int input_error) {
+  __shared__ int ok[EPSERVE_MAX_PEERS];
+  const int E = cfg.num_experts, W = cfg.world, width = E + W;
+  if (threadIdx.x < W) {
+    const int d = threadIdx.x;
+    const unsigned long long done = ld_acquire_sys(cfg.my_ready + cfg.rank);
+    ok[d] = wait_at_least(cfg.my_ready + d, done, cfg.timeout_ns);
+    if (!ok[d]) record_error(cfg.error, kDispatchReadyTimeout, d, static_cast<int>(done + 1));
+  }
+  __syncthreads();  // also orders route_totals' totals and bad before the reads below
+  const int error_code = input_error ? input_error : (bad != 0x7fffffff ? kDispatchBadExpert : 0);
+  const int row = width + 1;
+  for (int d = 0; d < W; ++d) {
+    if (!ok[d]) continue;
+    int* dst = cfg.count_table[d] + cfg.rank * row;
+    for (int i = threadIdx.x; i < row; i += blockDim.x) dst[i] = i < width ? (error_code ? 0 : totals[i]) : error_code;
+  }
+  fence_acq_rel_sys();
+  __syncthreads();
+  if (threadIdx.x < W && ok[threadIdx.x]) red_release_sys_add(cfg.count_arrive[threadIdx.x] + cfg.rank, 1ull);
+}
+
+// Rank, over many CTAs of kRankThreads: in (token, slot) order within each chunk, from its
+// base, each slot's rank among its expert's rows from this source, and each token's position
+// among the tokens going to each destination. A warp per chunk, a lane per token: a slot's
+// rank is its expert's base plus the chunk's earlier tokens that chose that expert, a popcount
+// of a per-expert mask of lanes (the warp's shared memory, every lane setting its experts'
+// bits), and a token's position the same over a ballot per destination; a chunk where some
+// token names an expert twice takes the token-by-token path instead, with the bases in the
+// same shared memory. Dynamic shared memory: kRankWarps * (E + W) ints; the masks are zero
+// between chunks.
+__device__ void rank_chunks(const int* __restrict__ topk_idx, int T, const DispatchConfig& cfg,
+                            const int* __restrict__ chunk_bases, int* __restrict__ tok_pos, int* __restrict__ slot_rank) {
+  extern __shared__ int smem[];
+  // The chunk's expert ids, loaded at once (one round trip, not one per token); an id
+  // outside [-1, E) becomes -2 (route stopped the call; it must only stay in bounds here).
+  __shared__ short ids[kRankWarps][kChunk * kMaxTopK];
+  const int E = cfg.num_experts, W = cfg.world, k = cfg.top_k, e_loc = E / W, width = E + W;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const unsigned before = (1u << lane) - 1;  // the lanes of the chunk's earlier tokens
+  int* mine = smem + warp * width;           // the token-by-token path's running bases
+  unsigned* masks = reinterpret_cast<unsigned*>(mine);  // per expert: the lanes whose token chose it
+  short* chunk_ids = ids[warp];
+  for (int i = lane; i < E; i += 32) masks[i] = 0;  // each use clears what it set
+  const int chunks = (T + kChunk - 1) / kChunk;
+  for (int c = blockIdx.x * warps + warp; c < chunks; c += gridDim.x * warps) {
+    const int* bases = chunk_bases + c * width;  // written by the previous kernel: plain loads are fine
+    const int n = min(kChunk, T - c * kChunk) * k;
+    for (int i = lane; i < n; i += 32) {
+      const int e = topk_idx[c * kChunk * k + i];
+      chunk_ids[i] = static_cast<short>(e < -1 || e >= E ? -2 : e);
+    }
+    __syncwarp();
+    const int t = c * kChunk + lane;
+    const bool live = t < T;
+    const short* row = chunk_ids + lane * k;
+    bool twice = false;  // this token names an expert twice
+    for (int j = 1; live && j < k; ++j)
+      for (int q = 0; q < j; ++q) twice |= row[j] >= 0 && row[q] == row[j];
+    if (!__any_sync(0xffffffffu, twice)) {
+      unsigned dests = 0;
+      for (int j = 0; live && j < k; ++j) {
+        const int e = row[j];
+        if (e < 0) continue;
+        atomicOr(&masks[e], 1u << lane);
+        dests |= 1u << (e / e_loc);
+      }
+      __syncwarp();
+      for (int j = 0; live && j < k; ++j) {
+        const int e = row[j];
+        slot_rank[t * k + j] = e >= 0 ? bases[e] + __popc(masks[e] & before) : -1;
+      }
+      for (int d = 0; d < W; ++d) {
+        const unsigned to_d = __ballot_sync(0xffffffffu, dests >> d & 1);
+        if (live) tok_pos[t * W + d] = dests >> d & 1 ? bases[E + d] + __popc(to_d & before) : -1;
+      }
+      __syncwarp();
+      for (int j = 0; live && j < k; ++j)
+        if (row[j] >= 0) masks[row[j]] = 0;
+      __syncwarp();
+      continue;
+    }
+    for (int i = lane; i < width; i += 32) mine[i] = bases[i];
+    __syncwarp();
+    for (int tt = 0; tt < kChunk; ++tt) {  // token by token: the slots of one expert in slot order
+      const int t = c * kChunk + tt;
+      if (t >= T) break;
+      const int e = lane < k ? chunk_ids[tt * k + lane] : -1;
+      const bool valid = e >= 0;
+      const unsigned same = __match_any_sync(0xffffffffu, valid ? e : -1 - lane);
+      int r = -1;
+      if (valid) r = mine[e] + __popc(same & before);
+      if (lane < k) slot_rank[t * k + lane] = r;
+      const unsigned leader = __ffs(same) - 1;
+      __syncwarp();
+      if (valid && lane == static_cast<int>(leader)) mine[e] += __popc(same);
+      for (int d = 0; d < W; ++d) {
+        const unsigned to_d = __ballot_sync(0xffffffffu, valid && e / e_loc == d);
+        if (lane == 0) tok_pos[t * W + d] = to_d ? mine[E + d]++ : -1;
+      }
+      __syncwarp();
+    }
+    for (int i = lane; i < E; i += 32) masks[i] = 0;
+    __syncwarp();
+  }
+}
+
+
+}  // namespace

@@ -1,0 +1,156 @@
+"""Every launch the two dispatchers queue hands its kernel as many arguments as the kernel
+takes, each as wide as the parameter in its place (read from the compiled PTX), without a GPU:
+an argument added to a kernel and not to its launch, or passed in another place, fails here
+instead of corrupting a launch on the GPU."""
+
+import re
+import types
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cupy")
+
+from epserve.dispatch import direct as direct_mod  # noqa: E402
+from epserve.dispatch import nccl as nccl_mod  # noqa: E402
+from epserve.dispatch import route as route_mod  # noqa: E402
+from epserve.runtime import build, kernels  # noqa: E402
+from epserve.runtime.kernel_structs import DISPATCH_CONFIG  # noqa: E402
+
+E, W, K, H, T = 256, 2, 8, 7168, 4096
+
+
+@pytest.fixture(scope="module")
+def ptx(tmp_path_factory):
+    import os
+
+    old = os.environ.get("EPSERVE_CACHE_DIR")
+    os.environ["EPSERVE_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    try:
+        source, defines = kernels.VARIANTS["dispatch"]
+        return build.compile_source(source, defines).ptx.read_text()
+    finally:
+        if old is None:
+            del os.environ["EPSERVE_CACHE_DIR"]
+        else:
+            os.environ["EPSERVE_CACHE_DIR"] = old
+
+
+def param_sizes(ptx: str, kernel: str) -> list[int]:
+    """The byte width of each parameter of `kernel`, in order."""
+    head = re.search(rf"\.entry {kernel}\((.*?)\)", ptx, re.S)
+    assert head, kernel
+    sizes = []
+    for param in head.group(1).split(","):
+        if m := re.search(r"\.b8 \w+\[(\d+)\]", param):
+            sizes.append(int(m.group(1)))
+        elif m := re.search(r"\.param \.[usb](\d+) ", param):
+            sizes.append(int(m.group(1)) // 8)
+    return sizes
+
+
+class Device:
+    """A device pointer argument (as a CuPy array passes): 8 bytes."""
+
+    def __init__(self, shape=(1,)):
+        self.shape = shape
+        self.data = types.SimpleNamespace(ptr=0x1000)
+
+    def __getitem__(self, s):
+        return Device()
+
+
+class Function:
+    def __init__(self, name):
+        self.name = name
+        self.max_dynamic_shared_size_bytes = 0
+
+
+class Recorder:
+    """A LaunchSequence that keeps the specs it is handed."""
+
+    def __init__(self):
+        self.specs = []
+
+    def run(self, key, specs, stream=None):
+        self.specs += specs
+
+
+def arg_size(a) -> int:
+    if a is None or isinstance(a, Device):
+        return 8
+    assert isinstance(a, np.ndarray), type(a)
+    return a.nbytes
+
+
+def by_value(value, dtype=np.int32):
+    return np.full(1, value, dtype)
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    """Pointers and by-value arguments the test can measure; the route's module and cupy."""
+    fake_cupy = types.SimpleNamespace(
+        empty=lambda *a, **k: Device(), zeros=lambda *a, **k: Device(), full=lambda *a, **k: Device(),
+        cuda=types.SimpleNamespace(Device=lambda: types.SimpleNamespace(attributes={"MultiProcessorCount": 132}),
+                                   get_current_stream=lambda: types.SimpleNamespace(ptr=0)))
+    monkeypatch.setattr(route_mod, "cupy", fake_cupy)
+    monkeypatch.setattr(route_mod.kernels, "module", lambda name: types.SimpleNamespace(get_function=Function))
+    for mod in (direct_mod, nccl_mod):
+        monkeypatch.setattr(mod, "i32", by_value)
+        monkeypatch.setattr(mod, "_NULL", by_value(0, np.uint64))
+    monkeypatch.setattr(nccl_mod, "cupy", fake_cupy)
+
+
+def check(ptx, specs):
+    for kernel, grid, block, args, shared_mem in specs:
+        sizes = param_sizes(ptx, kernel.name)
+        assert [arg_size(a) for a in args] == sizes, kernel.name
+
+
+def direct_dispatcher(fuse_release: bool, own_in_send: bool):
+    d = direct_mod.DirectDispatcher.__new__(direct_mod.DirectDispatcher)
+    d.rank, d.world, d.E, d.k, d.H, d.max_tokens = 0, W, E, K, H, T
+    d.route = route_mod.Route("direct", num_experts=E, world=W, top_k=K, max_tokens=T)
+    d._cfg = np.zeros(1, DISPATCH_CONFIG)
+    d._shapes, d.send_blocks_max, d.expand_blocks = {}, 132, 264
+    d._move, d._release = Function("epserve_dispatch_move"), Function("epserve_dispatch_release")
+    for name in ("_base", "rows", "src_info", "expert_offsets", "_chunk_ptrs", "_expected_chunk", "_done"):
+        setattr(d, name, Device())
+    d._max_chunks_arg = by_value(T // 32)
+    d.fuse_release, d.own_in_send = fuse_release, own_in_send
+    d.launches = Recorder()
+    return d
+
+
+@pytest.mark.parametrize("fuse_release", [True, False])
+@pytest.mark.parametrize("rejected", [False, True])
+def test_direct_launches_match_their_kernels(ptx, fakes, fuse_release, rejected):
+    d = direct_dispatcher(fuse_release, own_in_send=True)
+    if rejected:
+        d.enqueue(None, None, rejected=True)
+    else:
+        d.enqueue(Device((T, H)), Device((T, K)))
+    names = [spec[0].name for spec in d.launches.specs]
+    assert names == ["epserve_dispatch_route_count_publish", "epserve_dispatch_route_rank_layout",
+                     "epserve_dispatch_move"] + ([] if fuse_release else ["epserve_dispatch_release"])
+    check(ptx, d.launches.specs)
+
+
+def test_nccl_launches_match_their_kernels(ptx, fakes):
+    n = nccl_mod.NcclDispatcher(None, None, rank=0, world=1, num_experts=E, top_k=K, hidden=H, max_tokens=T,
+                                max_recv_rows=T * K, dtype=np.uint16)
+    n._ready = True  # what _setup makes, faked: world 1, so no NCCL call is made
+    n.route = route_mod.Route("nccl", num_experts=E, world=1, top_k=K, max_tokens=T)
+    n._cfg = np.zeros(1, DISPATCH_CONFIG)
+    n._shapes, n._sms, n._expand_grid = {}, 132, (528,)
+    n._pack, n._expand = Function("epserve_nccl_dispatch_pack"), Function("epserve_nccl_dispatch_expand")
+    for name in ("_table", "_send_tok", "_send_meta", "_recv_tok", "_recv_meta", "_home_base", "home_idx", "_base",
+                 "_ret_base", "rows", "src_info", "ret_idx", "expert_offsets"):
+        setattr(n, name, Device())
+    n.launches = Recorder()
+    n.enqueue(Device((T, H)), Device((T, K)))
+    names = [spec[0].name for spec in n.launches.specs]
+    assert names == ["epserve_nccl_dispatch_count_publish", "epserve_nccl_dispatch_rank_layout",
+                     "epserve_nccl_dispatch_pack", "epserve_nccl_dispatch_expand"]
+    check(ptx, n.launches.specs)
