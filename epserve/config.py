@@ -13,6 +13,10 @@ from epserve.runtime.kernel_structs import MAX_EXPERTS, MAX_LOCAL_EXPERTS, MAX_P
 
 # The GEMMs tile the hidden and intermediate dimensions by this many elements.
 KERNEL_TILE = 64
+# Expert weight formats; FP8 scales blocks of this many elements (128 x 128 for weights,
+# 1 x 128 for activations), so its sizes must be multiples of it.
+EXPERT_DTYPES = ("bf16", "fp8")
+FP8_BLOCK = 128
 
 _INT_FIELDS = ("num_experts", "top_k", "hidden", "intermediate", "max_tokens_per_rank",
                "world_size")
@@ -38,6 +42,11 @@ class MoEConfig:
                          ConfigError on every rank before any row moves.
     wait_timeout_s       bound of every device-side wait for a peer, in seconds; a peer that
                          is later raises PeerTimeoutError naming it and the stage.
+    expert_dtype         "bf16" (the default) or "fp8": e4m3 experts with 128 x 128 weight
+                         scales and 1 x 128 activation scales (epserve.quantize_weights), which
+                         need hidden and intermediate to be multiples of 128. EPService then
+                         takes the FP8Weights as forward's w13 (w2 None); the dispatch still
+                         moves bf16 rows (docs/design.md, "FP8 experts").
 
     Construction validates every field and raises ConfigError naming the first bad one.
     The config is frozen; ``to_dict()`` gives its fields as plain Python values.
@@ -51,6 +60,7 @@ class MoEConfig:
     world_size: int = 1
     max_recv_rows: int | None = None
     wait_timeout_s: float = 30.0
+    expert_dtype: str = "bf16"
 
     def __post_init__(self):
         self.validate()
@@ -100,11 +110,15 @@ class MoEConfig:
             raise ConfigError(f"MoEConfig.top_k = {self.top_k} is not allowed: it must be at "
                               f"most num_experts = {self.num_experts}")
         for name in ("hidden", "intermediate"):
-            value = getattr(self, name)
-            if value % KERNEL_TILE:
-                raise ConfigError(f"MoEConfig.{name} = {value} is not allowed: it must be a "
-                                  f"multiple of {KERNEL_TILE}, since the kernels tile it by "
-                                  f"{KERNEL_TILE}")
+            _require_multiple(name, getattr(self, name), KERNEL_TILE, "",
+                              f"since the kernels tile it by {KERNEL_TILE}")
+        if self.expert_dtype not in EXPERT_DTYPES:
+            raise ConfigError(f"MoEConfig.expert_dtype = {self.expert_dtype!r} is not allowed: it "
+                              f"must be one of {', '.join(map(repr, EXPERT_DTYPES))}")
+        if self.expert_dtype == "fp8":
+            for name in ("hidden", "intermediate"):
+                _require_multiple(name, getattr(self, name), FP8_BLOCK, " with expert_dtype 'fp8'",
+                                  "the FP8 scale block")
         timeout = self.wait_timeout_s
         if (not isinstance(timeout, numbers.Real) or isinstance(timeout, bool)
                 or not math.isfinite(timeout) or timeout <= 0):
@@ -133,6 +147,12 @@ def _require_positive_int(name, value):
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"MoEConfig.{name} = {value!r} is not allowed: it must be a "
                           f"positive integer")
+
+
+def _require_multiple(name, value, multiple, context, reason):
+    if value % multiple:
+        raise ConfigError(f"MoEConfig.{name} = {value} is not allowed{context}: it must be a "
+                          f"multiple of {multiple}, {reason}")
 
 
 def _require_at_most(name, value, limit, reason):

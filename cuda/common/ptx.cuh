@@ -101,7 +101,18 @@ __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
 __device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
+// Counts `bytes` as arrived on `bar` without a copy (a diagnostic build's stand-in for a TMA
+// load whose bytes an expect_tx already announced).
+__device__ __forceinline__ void mbarrier_complete_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.complete_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+}
 // 2-D tile copy global -> shared through a tensor map; completes on `bar` with its byte count.
+// What the tensor map's encoder cannot check, since it sees no coordinates or destinations:
+// x * element size (x: the innermost coordinate) must be a multiple of 16 bytes, and smem_dst
+// 128-byte aligned (1024 for a 128-byte swizzle). Triton's TMA model asserts the first rule
+// and its users met its breach as CUDA_ERROR_ILLEGAL_INSTRUCTION on H100s; it is the likely
+// cause of the same error in the FP8 GEMM's first GPU run (gemm/grouped_gemm_fp8.cu).
 __device__ __forceinline__ void tma_load_2d(void* smem_dst, const void* tensor_map, uint64_t* bar, int x, int y) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::

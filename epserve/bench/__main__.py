@@ -12,11 +12,17 @@ elements of rows whose relative error exceeds 1e-2), and relates each time to th
 preamble (machine, limits) and a table, and with --out writes bench.json and PNG plots there.
 The exit status is 1 when any path got a wrong element. It needs NVIDIA Hopper GPUs; where
 ranks share one GPU the times are not performance (no link is crossed).
+
+The -fp8 presets (dsv3-prefill-fp8, dsv3-decode-fp8) run the service with FP8 experts
+(epserve/bench/measure_fp8.py): their GEMM shares are of an FP8 dense limit measured in the
+same run (our FP8 GEMM at 8192^3, printed in a line of its own), and a line per point reports
+the FP8 layer's relative error against the bf16 layer (not asserted).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -26,11 +32,13 @@ import numpy as np
 from epserve.arrays import BF16
 from epserve.bench import limits, measure, plots, presets, report
 from epserve.bench.host_calls import counting_comm
+from epserve.bench.measure_fp8 import measure_point_fp8
 from epserve.bench.progress import progress
 from epserve.bench.results import Run, measured_row, with_baselines
 from epserve.bench.timing import slowest_rank
 from epserve.comm import mpi as ep_comm
 from epserve.config import MoEConfig
+from epserve.ffn.fp8 import quantize_weights
 from epserve.runtime.gpu_probe import stopped_without_gpu
 
 # --quick: every preset at this small shape (num_experts and top_k capped), to check that every
@@ -118,11 +126,11 @@ def main(argv=None) -> int:
     rank, world = comm.Get_rank(), comm.Get_size()
     chosen = [shape_of(presets.get_preset(name), args.quick) for name in args.presets.split(",")]
     routings = [presets.get_routing(spec) for spec in args.routing.split(",")]
-    rows, info = [], None
+    rows, info, fp8_rates = [], None, None
     for preset in chosen:
         points = sweep(preset, args.tokens)
         cfg = MoEConfig(preset.num_experts, preset.top_k, preset.hidden, preset.intermediate, max(points),
-                        world_size=world, wait_timeout_s=60.0)
+                        world_size=world, wait_timeout_s=60.0, expert_dtype=preset.expert_dtype)
         svc = EPService(cfg, comm)
         if info is None:  # the limits, once, on the first service's buffers
             rates = limits.measure(comm, svc.combiner._recv, svc.shared_gpu)
@@ -135,19 +143,37 @@ def main(argv=None) -> int:
                / np.sqrt(cfg.hidden)).astype(BF16)
         w2 = (rs.standard_normal((e_loc, cfg.hidden, cfg.intermediate), dtype=np.float32)
               / np.sqrt(cfg.intermediate)).astype(BF16)
+        fp8w, point_rates = None, rates
+        if preset.expert_dtype == "fp8":  # rated against our FP8 dense GEMM, measured here
+            fp8w = quantize_weights(w13, w2)
+            if fp8_rates is None:
+                from mpi4py import MPI
+
+                fp8_rates = dataclasses.replace(rates, gemm_flop_s=comm.allreduce(limits.fp8_gemm_rate(), op=MPI.MIN))
+                if rank == 0:
+                    print(f"# FP8 dense limit (our FP8 GEMM, 8192^3, slowest rank): "
+                          f"{fp8_rates.gemm_flop_s / 1e12:.1f} TFLOP/s; the -fp8 presets' GEMM shares use it",
+                          flush=True)
+            point_rates = fp8_rates
         jobs = [(routing, T) for routing in routings for T in points]
         for routing, T in progress(jobs, rank=rank, label=lambda j: f"{preset.name} {j[0].label} T={j[1]}"):
             at = presets.scaled(preset, tokens_per_rank=T)
             topk_all = routing.draw(at, world, args.seed + T)
-            results = measure.measure_point(svc, w13, w2, topk_all, args.seed, args.warmup, args.iters)
+            if fp8w is None:
+                results = measure.measure_point(svc, w13, w2, topk_all, args.seed, args.warmup, args.iters)
+            else:
+                results, err = measure_point_fp8(svc, w13, w2, fp8w, topk_all, args.seed, args.warmup, args.iters)
+                if rank == 0:  # reported, not asserted: what FP8 costs against the bf16 layer
+                    print(f"# {at.name} {routing.label} T={T}: FP8 layer vs bf16 layer, relative error {err:.4f}",
+                          flush=True)
             gathered = comm.gather([r.samples_ms for r in results], root=0)
             if rank == 0:
                 slowest = slowest_rank([{r.path: ms for r, ms in zip(results, g)} for g in gathered])
                 for n, r in enumerate(results):
-                    rows.append(measured_row(at, routing, r.path, slowest[r.path], r.work, rates,
+                    rows.append(measured_row(at, routing, r.path, slowest[r.path], r.work, point_rates,
                                              per_rank_ms=[g[n] for g in gathered], wrong=r.wrong,
                                              host_waits=r.host_waits, mpi_calls=r.mpi_calls))
-        del w13, w2
+        del w13, w2, fp8w
         svc.close()
     if rank != 0:
         return 0

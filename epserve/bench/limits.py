@@ -22,6 +22,22 @@ def gemm_rate(n: int = 8192) -> float:
     return 2.0 * n**3 / (ms / 1e3)
 
 
+def fp8_gemm_rate(n: int = 8192) -> float:
+    """Our FP8 GEMM (the block-scaled e4m3 wgmma kernel GEMM 2 runs) on one dense n^3 problem:
+    the FP8 limit the FP8 rows are rated against, as cuBLAS's bf16 GEMM is for bf16 (cuBLASLt
+    FP8 is not reachable through CuPy without a new dependency)."""
+    from epserve.ffn import fp8, gemm_fp8
+
+    a = cupy.random.standard_normal((n, n), dtype=np.float32).astype(BF16)
+    b = (cupy.random.standard_normal((1, n, n), dtype=np.float32) / np.sqrt(n)).astype(BF16)
+    a_q, a_s = fp8.quantize_rows(a)
+    b_q, b_s = fp8.quantize_blocks(b)
+    c = cupy.empty((n, n), BF16)
+    offsets = cupy.asarray(np.array([0, n], np.int32))
+    ms = median_ms(lambda: gemm_fp8.grouped_gemm_fp8("null", a_q, a_s, b_q, b_s, c, offsets, 1, n, n))
+    return 2.0 * n**3 / (ms / 1e3)
+
+
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     a = cupy.empty(nbytes, np.uint8)
     b = cupy.empty(nbytes, np.uint8)

@@ -200,14 +200,7 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
     if torch_layer is not None:
         runs["layer-torch"] = lambda: torch_layer.forward(x, idx, w, w13, w2, outs["layer-torch"])
     paths = [p for p in PATHS if p in runs]
-    samples, calls = {}, {}
-    for path in paths:
-        comm.Barrier()
-        samples[path] = samples_ms(runs[path], warmup, iters)
-        comm.Barrier()
-        with counting() as counted:
-            runs[path]()
-        calls[path] = counted
+    samples, calls = time_paths(comm, runs, paths, warmup, iters)
     svc.check()
 
     wrong = {
@@ -244,6 +237,20 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
     return [PathResult(p, samples[p], work[p], None if wrong[p] is None else comm.allreduce(wrong[p]),
                        *_busiest_rank(comm, calls[p]))
             for p in paths]
+
+
+def time_paths(comm, runs, paths, warmup: int, iters: int) -> tuple[dict, dict]:
+    """Each path's samples (every rank starting together) and the host waits and MPI calls
+    of one more call: (samples by path, counts by path)."""
+    samples, calls = {}, {}
+    for path in paths:
+        comm.Barrier()
+        samples[path] = samples_ms(runs[path], warmup, iters)
+        comm.Barrier()
+        with counting() as counted:
+            runs[path]()
+        calls[path] = counted
+    return samples, calls
 
 
 def _busiest_rank(comm, counted) -> tuple:

@@ -25,12 +25,15 @@ class Preset:
     num_experts: int
     top_k: int
     tokens_per_rank: int
+    expert_dtype: str = "bf16"  # "fp8": e4m3 experts (MoEConfig.expert_dtype), rated against an FP8 dense GEMM
 
     def __post_init__(self):
         for field in ("hidden", "intermediate", "num_experts", "top_k", "tokens_per_rank"):
             value = getattr(self, field)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"Preset {self.name!r}: {field} = {value!r} must be an integer > 0")
+        if self.expert_dtype not in ("bf16", "fp8"):
+            raise ConfigError(f"Preset {self.name!r}: expert_dtype = {self.expert_dtype!r} must be 'bf16' or 'fp8'")
         if self.top_k > self.num_experts:
             raise ConfigError(f"Preset {self.name!r}: top_k = {self.top_k} exceeds "
                               f"num_experts = {self.num_experts}")
@@ -39,6 +42,10 @@ class Preset:
 PRESETS = {p.name: p for p in (
     Preset("dsv3-prefill", hidden=7168, intermediate=2048, num_experts=256, top_k=8, tokens_per_rank=4096),
     Preset("dsv3-decode", hidden=7168, intermediate=2048, num_experts=256, top_k=8, tokens_per_rank=128),
+    Preset("dsv3-prefill-fp8", hidden=7168, intermediate=2048, num_experts=256, top_k=8, tokens_per_rank=4096,
+           expert_dtype="fp8"),
+    Preset("dsv3-decode-fp8", hidden=7168, intermediate=2048, num_experts=256, top_k=8, tokens_per_rank=128,
+           expert_dtype="fp8"),
     Preset("qwen3-moe", hidden=2048, intermediate=768, num_experts=128, top_k=8, tokens_per_rank=8192),
     Preset("mixtral", hidden=4096, intermediate=14336, num_experts=8, top_k=2, tokens_per_rank=4096),
 )}

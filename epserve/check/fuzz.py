@@ -5,7 +5,9 @@ the same one with no message, and a failing case replays alone from the three nu
 replay command carries. Sizes lean small (log-uniform, under a work budget) so that a case
 costs well under a second, inputs and float64 reference included; the edges the kernels must
 survive still come up: k from 1 to 8, a rank with no tokens, masked slots, experts that get
-nothing, a whole rank that receives nothing, skewed routing.
+nothing, a whole rank that receives nothing, skewed routing; and FP8 experts
+(MoEConfig.expert_dtype "fp8", hidden and intermediate then rounded up to 128), drawn last
+so that every bf16 case of a seed keeps the sizes and data it had before FP8 existed.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from epserve.check.testing import LayerInputs, layer_inputs
-from epserve.config import KERNEL_TILE, MoEConfig
+from epserve.config import FP8_BLOCK, KERNEL_TILE, MoEConfig
 
 MAX_TOP_K = 8
 HIDDEN_CAP = 7168  # DeepSeek-V3's hidden size
@@ -42,6 +44,7 @@ P_EXPERT_SUBSET = 0.25
 P_IDLE_RANK = 0.2
 P_EMPTY_RANK = 0.15
 P_SPARE_CAPACITY = 0.5
+P_FP8 = 0.3
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class FuzzCase:
     unused: float  # fraction of slots masked with -1
     experts: tuple[int, ...] | None  # the only experts routed to; None: all of them
     data_seed: int  # the seed of the inputs' values
+    expert_dtype: str = "bf16"
 
     @property
     def experts_per_rank(self) -> int:
@@ -74,7 +78,7 @@ class FuzzCase:
 
     def config(self) -> MoEConfig:
         return MoEConfig(self.num_experts, self.top_k, self.hidden, self.intermediate, self.max_tokens_per_rank,
-                         world_size=self.world_size, wait_timeout_s=WAIT_TIMEOUT_S)
+                         world_size=self.world_size, wait_timeout_s=WAIT_TIMEOUT_S, expert_dtype=self.expert_dtype)
 
     def inputs(self) -> list[LayerInputs]:
         """Every rank's inputs, on the host."""
@@ -87,7 +91,7 @@ class FuzzCase:
         idle = f", idle ranks {list(self.idle_ranks)}" if self.idle_ranks else ""
         return (f"W={self.world_size} E={self.num_experts} k={self.top_k} H={self.hidden} I={self.intermediate} "
                 f"tokens={list(self.tokens)} max_tokens={self.max_tokens_per_rank} {routing} "
-                f"masked {self.unused:.2f} {experts}{idle}")
+                f"masked {self.unused:.2f} {experts}{idle} {self.expert_dtype}")
 
     def replay_command(self, share_gpu: bool = False) -> str:
         """The one line that runs this case alone, the way it ran (ranks on one GPU or not)."""
@@ -122,9 +126,15 @@ def generate(seed: int, index: int, world_size: int) -> FuzzCase:
     unused = 0.0
     if rng.random() < P_MASKED:
         unused = 1.0 if rng.random() < P_ALL_MASKED else float(rng.uniform(0.02, 0.5))
+    data_seed = int(rng.integers(2**63))
+    expert_dtype = "bf16"
+    if rng.random() < P_FP8:  # last, see the module docstring; past the budget it stays bf16
+        up = (-(-hidden // FP8_BLOCK) * FP8_BLOCK, -(-intermediate // FP8_BLOCK) * FP8_BLOCK)
+        if W * e_loc * 3 * up[0] * up[1] <= WEIGHT_BUDGET:
+            (hidden, intermediate), expert_dtype = up, "fp8"
     return FuzzCase(seed=seed, index=index, world_size=W, num_experts=E, top_k=top_k, hidden=hidden,
                     intermediate=intermediate, tokens=tokens, max_tokens_per_rank=max(1, max(tokens)) + spare,
-                    zipf=zipf, unused=unused, experts=experts, data_seed=int(rng.integers(2**63)))
+                    zipf=zipf, unused=unused, experts=experts, data_seed=data_seed, expert_dtype=expert_dtype)
 
 
 def _log_uniform_int(rng, low: int, high: int) -> int:

@@ -39,18 +39,9 @@ def reference_layer(xs, topk_idxs, topk_weights, w13s, w2s, num_experts):
     """
     xs, topk_idxs, topk_weights, w13s, w2s = _checked_inputs(
         xs, topk_idxs, topk_weights, w13s, w2s, num_experts)
-    world_size = len(xs)
-    hidden = xs[0].shape[1]
-    top_k = topk_idxs[0].shape[1]
-
     layers = []
-    for rank in range(world_size):
-        plan = plan_dispatch(rank, topk_idxs, num_experts, world_size)
-        src_rank, token, _ = unpack_src_info(plan.src_info)
-        a = np.empty((plan.num_recv_rows, hidden))
-        for src in range(world_size):
-            rows = src_rank == src
-            a[rows] = xs[src][token[rows]]
+    for rank in range(len(xs)):
+        plan, a = dispatched_rows(rank, xs, topk_idxs, num_experts)
         offsets = plan.expert_offsets
         per_expert = [_expert_ffn(a[offsets[e]:offsets[e + 1]], w13s[rank][e], w2s[rank][e])
                       for e in range(plan.experts_per_rank)]
@@ -58,7 +49,26 @@ def reference_layer(xs, topk_idxs, topk_weights, w13s, w2s, num_experts):
         layers.append({"expert_offsets": plan.expert_offsets, "src_info": plan.src_info,
                        "a": a, "h": h, "act": act, "y": y})
 
-    # Combine: each row's result lands in its home rank's (token, slot), written once.
+    return combine_layers(layers, xs, topk_idxs, topk_weights)
+
+
+def dispatched_rows(rank, xs, topk_idxs, num_experts):
+    """Rank `rank`'s dispatch plan and the rows it receives, [M, H] in xs' dtype, expert-major."""
+    plan = plan_dispatch(rank, topk_idxs, num_experts, len(xs))
+    src_rank, token, _ = unpack_src_info(plan.src_info)
+    a = np.empty((plan.num_recv_rows, xs[0].shape[1]), xs[0].dtype)
+    for src in range(len(xs)):
+        rows = src_rank == src
+        a[rows] = xs[src][token[rows]]
+    return plan, a
+
+
+def combine_layers(layers, xs, topk_idxs, topk_weights):
+    """The combine of the oracle: each owner's y [M, H] row lands in its home rank's recv
+    (token, slot), written once; then the reduction in ascending slot order. layers[r] holds
+    rank r's src_info and y; recv and out are added to it. Returns layers."""
+    hidden = xs[0].shape[1]
+    top_k = topk_idxs[0].shape[1]
     for home, layer in enumerate(layers):
         layer["recv"] = np.full((xs[home].shape[0], top_k, hidden), np.nan)
     for owner in layers:

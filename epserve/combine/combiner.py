@@ -25,6 +25,7 @@ from epserve.comm import signals as sig
 from epserve.comm.nccl import exchange_rows
 from epserve.dispatch.device_plan import DevicePlan
 from epserve.ffn import gemm
+from epserve.ffn.fp8_stage import gemm2_specs
 from epserve.runtime.kernel_structs import launch_arg, pack_peer_pointers, pack_peer_send_config
 from epserve.runtime.launch import LaunchSequence
 
@@ -76,16 +77,19 @@ class Combiner:
         return cfg
 
     def gemm_only(self, act, w2, plan: DevicePlan, intermediate: int) -> None:
-        """GEMM 2 with the peer sink gated off: the math alone, nothing sent or allocated."""
+        """GEMM 2 with the peer sink gated off: the math alone, nothing sent or allocated.
+        act and w2: bf16 arrays, or an FP8Act and the FP8Weights (epserve/ffn/fp8_stage.py)."""
         cfg = self.send_config(plan.src_info)
-        gemm.grouped_gemm("peer", act, w2, None, plan.expert_offsets, w2.shape[0], self.hidden, intermediate, cfg, -1)
+        gemm.run(gemm2_specs("peer", act, w2, None, plan.expert_offsets, self.experts_per_rank, self.hidden,
+                             intermediate, cfg, -1))
 
     def fused(self, act, w2, plan: DevicePlan, topk_idx, topk_weights, intermediate: int, out=None, status=None):
-        """GEMM 2 whose epilogue writes every row into its home rank's recv; then the reduction."""
+        """GEMM 2 whose epilogue writes every row into its home rank's recv; then the reduction.
+        act and w2 as for gemm_only: either dtype's GEMM 2 hands the sink the same bf16 tiles."""
         self.epoch += 1
         cfg = self.send_config(plan.src_info, status)
-        specs = gemm.grouped_gemm_specs("peer", act, w2, None, plan.expert_offsets, w2.shape[0], self.hidden,
-                                        intermediate, cfg, 0)
+        specs = gemm2_specs("peer", act, w2, None, plan.expert_offsets, self.experts_per_rank, self.hidden,
+                            intermediate, cfg, 0)
         return self._reduce(topk_idx, topk_weights, out, wait=True, status=status, before=specs, key="fused")
 
     def stand_in(self, status=None) -> None:

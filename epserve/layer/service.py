@@ -42,7 +42,8 @@ from epserve.dispatch.host import Dispatcher
 from epserve.dispatch.host_plan import check_recv_capacity, count_recv_rows, plan_dispatch
 from epserve.dispatch.nccl import NcclDispatcher
 from epserve.errors import ConfigError, EPServeError, PeerTimeoutError
-from epserve.ffn import gemm
+from epserve.ffn import fp8_stage, gemm
+from epserve.ffn.fp8_stage import FP8Buffers
 from epserve.runtime.launch import LaunchSequence
 
 SINKS = ("peer", "null")
@@ -135,8 +136,11 @@ class EPService:
         self.combiner = Combiner(self.group, self.signals, num_experts=c.num_experts, top_k=c.top_k, hidden=c.hidden,
                                  max_tokens=c.max_tokens_per_rank, wait_timeout_s=c.wait_timeout_s,
                                  transport=self.transport, nccl_comm=self.nccl, dtype=BF16)
-        # GEMM 1's output at capacity, once: forward allocates nothing but a default out.
-        self._act = cupy.zeros((c.recv_rows_capacity, c.intermediate), BF16)
+        # GEMM 1's output at capacity, once: forward allocates nothing but a default out. FP8
+        # experts (epserve/ffn/fp8_stage.py): the quantized received rows and act instead.
+        self.fp8 = c.expert_dtype == "fp8"
+        self._fp8 = FP8Buffers(c.recv_rows_capacity, c.hidden, c.intermediate) if self.fp8 else None
+        self._act = self._fp8.act if self.fp8 else cupy.zeros((c.recv_rows_capacity, c.intermediate), BF16)
         self._C = None  # GEMM 2's output for the unfused IPC combine, made on first use
         self._gemm1 = LaunchSequence()  # forward's GEMM 1, prepared once per dispatch path
         self._no_tokens = (cupy.zeros((0, c.top_k), np.int32), cupy.zeros((0, c.top_k), np.float32))
@@ -156,6 +160,9 @@ class EPService:
 
     def _weights(self, w13, w2):
         c = self.config
+        if self.fp8:
+            w = fp8_stage.checked_weights(w13, w2, c.experts_per_rank, c.hidden, c.intermediate)
+            return w, w  # the FP8Weights holds both projections; GEMM 2 takes it as w2
         w13 = checked_array(w13, "w13", "bf16", (c.experts_per_rank, 2 * c.intermediate, c.hidden))
         w2 = checked_array(w2, "w2", "bf16", (c.experts_per_rank, c.hidden, c.intermediate))
         return w13, w2
@@ -203,7 +210,7 @@ class EPService:
                             c.recv_rows_capacity)
         return DevicePlan.upload(plan_dispatch(self.rank, routing, c.num_experts, self.world), c.top_k)
 
-    def expert_ffn(self, dispatched: DispatchResult, w13, w2, sink: str = "peer", out=None, gate: int = 0):
+    def expert_ffn(self, dispatched: DispatchResult, w13, w2=None, sink: str = "peer", out=None, gate: int = 0):
         """GEMM 1, SwiGLU and GEMM 2 over the dispatched rows; GEMM 2's epilogue hands its tiles
         to `sink`: "peer" writes them into their home ranks' recv (no C exists), "null" stores
         C and the baseline transport moves it. Returns the combined [T, H] output of this
@@ -229,8 +236,12 @@ class EPService:
     def _expert_ffn(self, d: DispatchResult, w13, w2, sink, out, gate):
         c = self.config
         M, I, H, e_loc = d.num_rows, c.intermediate, c.hidden, c.experts_per_rank
-        act = cupy.empty((M, I), BF16)
-        gemm.gemm1_swiglu(d.rows, w13, act, d.expert_offsets, e_loc, I, H)
+        if self.fp8:  # into the capacity buffers: the quantizer stops at the row count
+            gemm.run(fp8_stage.gemm1_specs(self._fp8, d.rows, d.expert_offsets, w13, e_loc, I, H))
+            act = self._fp8.act
+        else:
+            act = cupy.empty((M, I), BF16)
+            gemm.gemm1_swiglu(d.rows, w13, act, d.expert_offsets, e_loc, I, H)
         comb = self.combiner
         if gate < 0:
             comb.gemm_only(act, w2, self._send_plan(d), I)
@@ -239,7 +250,7 @@ class EPService:
             out = comb.fused(act, w2, self._send_plan(d), d.topk_idx, d.topk_weights, I, out=out)
         else:
             C = cupy.empty((M, H), BF16)
-            gemm.grouped_gemm("null", act, w2, C, d.expert_offsets, e_loc, H, I)
+            gemm.run(fp8_stage.gemm2_specs("null", act, w2, C, d.expert_offsets, e_loc, H, I))
             plan = self._send_plan(d) if self.transport == "ipc" else (d.plan or self._host_plan(d.topk_idx))
             out = comb.unfused(C, plan, d.topk_idx, d.topk_weights, out=out)
         return out
@@ -249,8 +260,8 @@ class EPService:
         """What the peer sink and the IPC push read: expert_offsets and src_info."""
         return d.plan if d.plan is not None else _RowSources(d.expert_offsets, d.src_info, d.num_rows)
 
-    def forward(self, x, topk_idx, topk_weights, w13, w2, sink: str = "peer", dispatch: str = "direct", out=None,
-                check: bool | None = None):
+    def forward(self, x, topk_idx, topk_weights, w13, w2=None, sink: str = "peer", dispatch: str = "direct",
+                out=None, check: bool | None = None):
         """The whole MoE layer for this rank's tokens: dispatch, GEMM 1, SwiGLU, GEMM 2, combine.
 
         With H = hidden, I = intermediate, k = top_k, E_loc = experts per rank, T <= max_tokens_per_rank:
@@ -260,6 +271,16 @@ class EPService:
             w13           [E_loc, 2I, H]   bf16     this rank's experts' gate (rows 0..I-1) and up (I..2I-1) projections
             w2            [E_loc, H, I]    bf16     this rank's experts' down projections
         Weights are in Linear layout (out features, in features), the inner dimension contiguous.
+
+        FP8 experts (MoEConfig.expert_dtype "fp8"): quantize the weights once with
+        ``fp8w = epserve.quantize_weights(w13, w2)`` and pass ``forward(x, topk_idx,
+        topk_weights, fp8w)`` (w2 None, or fp8w again). Its arrays are checked like bf16
+        weights: w13 uint8 (e4m3) [E_loc, 2I, H], w13_scales float32 [E_loc, 2I/128, H/128],
+        w2 uint8 [E_loc, H, I], w2_scales float32 [E_loc, H/128, I/128]. The dispatch still
+        moves bf16 rows; on arrival they are quantized to e4m3 with one scale per row and 128
+        columns, GEMM 1 and GEMM 2 run on FP8 with block scales (SwiGLU and act's
+        quantization fused into GEMM 1), GEMM 2 hands bf16 rows to the combine, which is
+        unchanged: fused == unfused bit for bit as in bf16 (docs/design.md, "FP8 experts").
 
         Returns out [T, H] bf16, out[t] = sum over j with topk_idx[t, j] >= 0 of
         topk_weights[t, j] * expert(topk_idx[t, j])(x[t]), where expert(e)(v) =
@@ -335,22 +356,27 @@ class EPService:
         c = self.config
         d = self.nccl_path if dispatch == "nccl" else self.direct
         d.enqueue(x, topk_idx)
-        self._gemm1.run(dispatch, gemm.gemm1_swiglu_specs(d.rows, w13, self._act, d.expert_offsets,
-                                                          c.experts_per_rank, c.intermediate, c.hidden))
+        if self.fp8:
+            specs = fp8_stage.gemm1_specs(self._fp8, d.rows, d.expert_offsets, w13, c.experts_per_rank,
+                                          c.intermediate, c.hidden)
+        else:
+            specs = gemm.gemm1_swiglu_specs(d.rows, w13, self._act, d.expert_offsets, c.experts_per_rank,
+                                            c.intermediate, c.hidden)
+        self._gemm1.run(dispatch, specs)
         if sink == "peer":
             out = self.combiner.fused(self._act, w2, d, topk_idx, topk_weights, c.intermediate, out=out,
                                       status=d.status)
         elif dispatch == "nccl":  # the unfused layer over NCCL: GEMM 2 stores C, NCCL brings it home
             if self._C is None:
                 self._C = cupy.empty((c.recv_rows_capacity, c.hidden), BF16)
-            gemm.grouped_gemm("null", self._act, w2, self._C, d.expert_offsets, c.experts_per_rank, c.hidden,
-                             c.intermediate)
+            gemm.run(fp8_stage.gemm2_specs("null", self._act, w2, self._C, d.expert_offsets, c.experts_per_rank,
+                                           c.hidden, c.intermediate))
             out = self.combiner.unfused_nccl(self._C, d, topk_idx, topk_weights, out=out)
         else:  # the null sink after the direct dispatch: C pushed over IPC; it reads the row count
             if self._C is None:
                 self._C = cupy.empty((c.recv_rows_capacity, c.hidden), BF16)
-            gemm.grouped_gemm("null", self._act, w2, self._C, d.expert_offsets, c.experts_per_rank, c.hidden,
-                             c.intermediate)
+            gemm.run(fp8_stage.gemm2_specs("null", self._act, w2, self._C, d.expert_offsets, c.experts_per_rank,
+                                           c.hidden, c.intermediate))
             rows = _RowSources(d.expert_offsets, d.src_info, d.rows_received())
             out = self.combiner.unfused(self._C, rows, topk_idx, topk_weights, out=out, status=d.status)
         if check:
@@ -410,7 +436,7 @@ class EPService:
             raise
 
     # ---- lifetime -----------------------------------------------------------------------
-    def capture(self, tokens: int, w13, w2):
+    def capture(self, tokens: int, w13, w2=None):
         """A CUDA graph of forward (direct dispatch, peer sink) at `tokens` tokens on this rank,
         over input and output buffers it owns: write fresh inputs into its x, topk_idx and
         topk_weights, then replay() it; the output is bitwise the eager forward's. Collective:

@@ -16,6 +16,8 @@ COMBINE_SOURCE = "comm/combine.cu"
 ROWS_SOURCE = "comm/rows.cu"
 SWIGLU_SOURCE = "ffn/swiglu.cu"
 DISPATCH_SOURCE = "comm/dispatch.cu"
+FP8_GEMM_SOURCE = "gemm/grouped_gemm_fp8.cu"  # block-scaled e4m3 wgmma, the bf16 wgmma GEMM's structure
+FP8_QUANTIZE_SOURCE = "ffn/quantize_fp8.cu"
 
 # name -> (source, defines)
 VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
@@ -23,6 +25,11 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     **{f"gemm_wgmma_{sink}": (WGMMA_GEMM_SOURCE, {"EPSERVE_SINK": cls}) for sink, cls in SINKS.items()},
     # GEMM 1 with SwiGLU in its epilogue: act stays on this GPU, so its sink is the null one
     "gemm1_wgmma_swiglu": (WGMMA_GEMM_SOURCE, {"EPSERVE_SINK": SINKS["null"], "EPSERVE_GEMM_SWIGLU": 1}),
+    # FP8 experts (issue 16): GEMM 2 with either sink, GEMM 1 with SwiGLU and act quantized
+    # for GEMM 2 in its epilogue, and the quantizers of weights and activations
+    **{f"gemm_fp8_{sink}": (FP8_GEMM_SOURCE, {"EPSERVE_SINK": cls}) for sink, cls in SINKS.items()},
+    "gemm1_fp8_swiglu": (FP8_GEMM_SOURCE, {"EPSERVE_SINK": SINKS["null"], "EPSERVE_GEMM_SWIGLU": 1}),
+    "quantize_fp8": (FP8_QUANTIZE_SOURCE, {}),
     "combine": (COMBINE_SOURCE, {}),
     "rows": (ROWS_SOURCE, {}),
     "swiglu": (SWIGLU_SOURCE, {}),

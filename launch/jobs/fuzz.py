@@ -30,8 +30,9 @@ import cupy
 import numpy as np
 from job_report import report  # a sibling of this script
 
-from epserve import EPService
+from epserve import EPService, quantize_weights
 from epserve.check.fuzz import WAIT_TIMEOUT_S, generate
+from epserve.check.fp8_layer_reference import quantized_weights, reference_layer_fp8
 from epserve.check.reference import reference_layer, rel_error
 from epserve.check.testing import BF16, bf16_bits
 from epserve.comm import mpi as ep_comm
@@ -80,6 +81,8 @@ def run_case(svc, case, rank) -> list[str]:
     me = inputs[rank]
     x, idx, w = cupy.asarray(me.x), cupy.asarray(me.topk_idx), cupy.asarray(me.topk_weights)
     w13, w2 = cupy.asarray(me.w13), cupy.asarray(me.w2)
+    if case.expert_dtype == "fp8":  # one FP8Weights holds both projections (w2 None)
+        w13, w2 = quantize_weights(w13, w2), None
     T, H = me.x.shape
     # Poisoned, so an element the layer fails to write shows as NaN.
     fused_out = cupy.full((T, H), np.nan, BF16)
@@ -95,8 +98,12 @@ def run_case(svc, case, rank) -> list[str]:
     if differ:
         failures.append(f"fused != unfused bitwise ({differ} of {T * H} elements)")
     if T:
-        ref = reference_layer([i.x for i in inputs], [i.topk_idx for i in inputs], [i.topk_weights for i in inputs],
-                              [i.w13 for i in inputs], [i.w2 for i in inputs], case.num_experts)[rank]
+        routing = [i.x for i in inputs], [i.topk_idx for i in inputs], [i.topk_weights for i in inputs]
+        if case.expert_dtype == "fp8":  # the float64 chain on the same quantized weights
+            weights = [quantized_weights(i.w13, i.w2) for i in inputs]
+            ref = reference_layer_fp8(*routing, weights, case.num_experts)[rank]
+        else:
+            ref = reference_layer(*routing, [i.w13 for i in inputs], [i.w2 for i in inputs], case.num_experts)[rank]
         err = rel_error(cupy.asnumpy(fused).astype(np.float64), ref["out"])
         if not err < REL_ERROR_LIMIT:
             failures.append(f"relative error {err:.3g} vs the float64 reference (limit {REL_ERROR_LIMIT:g})")

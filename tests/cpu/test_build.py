@@ -146,3 +146,42 @@ def test_kernel_functions_are_looked_up_once_per_device(monkeypatch):
         assert loads == ["rows", "rows", "rows"]
     finally:
         kernels._function.cache_clear()
+
+
+# The FP8 GEMM's diagnostic builds (cuda/gemm/grouped_gemm_fp8.cu, launch/jobs/probe_gemm_fp8.py):
+# not shipped, so not in kernels.VARIANTS, but the next GPU run needs them to compile.
+FP8_PROBE_KNOBS = [
+    {"EPSERVE_GEMM_FP8_TMA_LOADS": 0, "EPSERVE_GEMM_FP8_MMA": 0},
+    {"EPSERVE_GEMM_FP8_TMA_LOADS": 2, "EPSERVE_GEMM_FP8_MMA": 0, "EPSERVE_GEMM_FP8_CHECK_TMA": 1},
+    {"EPSERVE_GEMM_FP8_TMA_LOADS": 0},
+    {"EPSERVE_GEMM_FP8_CHECK_TMA": 1},
+    {"EPSERVE_GEMM_FP8_UNALIGNED_SCALES": 1},
+]
+
+
+@pytest.mark.parametrize("knobs", FP8_PROBE_KNOBS, ids=lambda k: "+".join(f"{a}={b}" for a, b in k.items()))
+@pytest.mark.parametrize("base", ["gemm_fp8_null", "gemm1_fp8_swiglu"])
+def test_fp8_diagnostic_builds_compile(base, knobs, cache):
+    source, defines = kernels.VARIANTS[base]
+    art = build.compile_source(source, {**defines, **knobs})
+    assert not re.search(r"[1-9]\d* bytes spill stores", art.log), art.log
+    ptx = art.ptx.read_text()
+    has_wgmma = "wgmma.mma_async" in ptx
+    assert has_wgmma == (knobs.get("EPSERVE_GEMM_FP8_MMA", 1) != 0)
+    assert ("cp.async.bulk.tensor" in ptx) == (knobs.get("EPSERVE_GEMM_FP8_TMA_LOADS", 7) != 0)
+
+
+def test_fp8_probe_job_names_only_real_knobs():
+    """A misspelt define would build the default kernel under a probe's name and prove nothing:
+    every knob launch/jobs/probe_gemm_fp8.py sets is one the FP8 GEMM reads."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("probe_gemm_fp8", root / "launch" / "jobs" / "probe_gemm_fp8.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    source = (root / "cuda" / "gemm" / "grouped_gemm_fp8.cu").read_text()
+    for knobs, _ in list(job.PROBES.values()) + [(k, None) for k in FP8_PROBE_KNOBS]:
+        for name in knobs:
+            assert f"#ifndef {name}\n" in source, name

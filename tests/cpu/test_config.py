@@ -36,6 +36,9 @@ GOOD = dict(num_experts=8, top_k=2, hidden=128, intermediate=64, max_tokens_per_
     (dict(wait_timeout_s=0), "wait_timeout_s"),
     (dict(wait_timeout_s=-1.0), "wait_timeout_s"),
     (dict(wait_timeout_s=float("nan")), "wait_timeout_s"),
+    (dict(expert_dtype="fp16"), "expert_dtype"),
+    (dict(expert_dtype="fp8"), "intermediate = 64.*fp8.*multiple of 128"),
+    (dict(expert_dtype="fp8", intermediate=128, hidden=192), "hidden = 192.*fp8"),
 ])
 def test_bad_config_names_the_field(changes, field):
     with pytest.raises(ConfigError, match=field) as caught:
@@ -57,11 +60,12 @@ def test_tile_message_says_why():
     dict(num_experts=256, top_k=8, hidden=7168, intermediate=2048, max_tokens_per_rank=4096, world_size=8),  # dsv3
     dict(max_recv_rows=1, wait_timeout_s=1),
     dict(num_experts=np.int64(8), hidden=np.int32(7168)),
+    dict(expert_dtype="fp8", hidden=7168, intermediate=2048),  # dsv3's FP8 experts
 ])
 def test_good_configs_pass(changes):
     cfg = MoEConfig(**{**GOOD, **changes})
     assert MoEConfig(**cfg.to_dict()) == cfg
-    assert all(type(v) in (int, float, type(None)) for v in cfg.to_dict().values())
+    assert all(type(v) in (int, float, str, type(None)) for v in cfg.to_dict().values())
 
 
 def test_derived_sizes():

@@ -3,6 +3,8 @@ two, with one GPU each:
   check_combine.py  the peer sink: fused == unfused bitwise, reference, poison, repeats, gate (issue 3)
   check_service.py  EPService: forward, direct vs NCCL dispatch, foreign arrays, bad inputs (issue 4)
   check_graph.py    forward captured in a CUDA graph, replayed with fresh inputs == eager bitwise (issue 13)
+  check_fp8.py      FP8 experts: fused == unfused bitwise on every path, float64 FP8 reference, bad weights (issue 16)
+  check_graph.py --fp8  the graph with FP8 experts
 """
 
 import json
@@ -19,16 +21,19 @@ pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
 
 def run_job(job: str, share_gpu: bool):
+    """job: a script in launch/jobs, with its arguments after a space."""
+    script, *job_args = job.split()
     cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "-n", "2", "--timeout", "540"]
     cmd += ["--share-gpu"] if share_gpu else []
-    cmd += ["--", sys.executable, "-m", "mpi4py", str(ROOT / "launch" / "jobs" / job)]
+    cmd += ["--", sys.executable, "-m", "mpi4py", str(ROOT / "launch" / "jobs" / script), *job_args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     planned = [int(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("# cases:")]
     return proc, results, planned
 
 
-@pytest.mark.parametrize("job", ["check_combine.py", "check_service.py", "check_graph.py"])
+@pytest.mark.parametrize("job", ["check_combine.py", "check_service.py", "check_graph.py", "check_fp8.py",
+                                 "check_graph.py --fp8"])
 @pytest.mark.parametrize("share_gpu", [True, False], ids=["2-ranks-1-gpu", "2-ranks-2-gpus"])
 def test_job_passes_every_case(job, share_gpu):
     if not share_gpu and gpu_count() < 2:

@@ -1,0 +1,83 @@
+// bf16 -> e4m3 with fp32 block scales (the convention of common/fp8.cuh), two block shapes:
+//  * rows, 1 x 128 (activations): a warp per (row, 128-column block), 4 values a lane;
+//    scales[kb, m] k-block-major, one row of `scale_ld` floats per k-block, because the FP8
+//    GEMM's producer loads a tile's 128 row scales of one k-block as one TMA box;
+//  * blocks, 128 x 128 (weights, prepared once): a CTA per block, 16 rows a warp;
+//    scales[row block, column block] row-major, which for w [E, N, K] is [E, N/128, K/128].
+// The GEMM 1 epilogue quantizes its SwiGLU output with the same functions, so this kernel
+// applied to the unfused bf16 act gives the fused kernel's bits.
+#include "common/bf16.cuh"
+#include "common/fp8.cuh"
+
+using namespace epserve;
+
+namespace {
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, d));
+  return v;
+}
+
+// Four bf16 (two words) to four e4m3 in one word, lowest column in the lowest byte.
+__device__ __forceinline__ uint32_t quantize_bf16x4(uint2 v, float inv) {
+  return static_cast<uint32_t>(quantize_bf16x2(v.x, inv)) | (static_cast<uint32_t>(quantize_bf16x2(v.y, inv)) << 16);
+}
+
+}  // namespace
+
+// x [rows, cols] bf16 -> q [rows, cols] e4m3, scales [cols / 128, scale_ld] (scale_ld >= rows).
+// row_count, when not null, holds the rows to quantize on the device (the service's buffers
+// are sized at capacity and the dispatch leaves the call's row count there, as
+// expert_offsets[E]): only min(rows, *row_count) rows are read and written.
+extern "C" __global__ void epserve_quantize_rows_fp8(const bf16_t* __restrict__ x, long long rows, int cols,
+                                                     fp8_t* __restrict__ q, float* __restrict__ scales,
+                                                     long long scale_ld, const int* __restrict__ row_count) {
+  if (row_count != nullptr) rows = min(rows, static_cast<long long>(max(*row_count, 0)));
+  const int lane = threadIdx.x % 32;
+  const long long warps = static_cast<long long>(gridDim.x) * blockDim.x / 32;
+  const long long blocks = rows * (cols / 128);
+  // Block b is row b % rows of k-block b / rows: neighbouring warps write neighbouring scales.
+  for (long long b = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; b < blocks; b += warps) {
+    const long long kb = b / rows, m = b - kb * rows;
+    const long long at = m * cols + kb * 128 + lane * 4;
+    const uint2 v = *reinterpret_cast<const uint2*>(x + at);
+    const float amax = warp_max(fmaxf(bf16x2_amax(v.x), bf16x2_amax(v.y)));
+    *reinterpret_cast<uint32_t*>(q + at) = quantize_bf16x4(v, fp8_inv_scale(amax));
+    if (lane == 0) scales[kb * scale_ld + m] = fp8_scale(amax);
+  }
+}
+
+// w [row_blocks * 128, cols] bf16 -> q alike, scales [row_blocks, cols / 128]. Blocks never
+// straddle two experts' matrices when each has a multiple of 128 rows.
+extern "C" __global__ void __launch_bounds__(256) epserve_quantize_blocks_fp8(const bf16_t* __restrict__ w,
+                                                                              long long row_blocks, int cols,
+                                                                              fp8_t* __restrict__ q,
+                                                                              float* __restrict__ scales) {
+  __shared__ float warp_amax[8];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int col_blocks = cols / 128;
+  for (long long blk = blockIdx.x; blk < row_blocks * col_blocks; blk += gridDim.x) {
+    const long long rb = blk / col_blocks;
+    const int cb = static_cast<int>(blk - rb * col_blocks);
+    const long long at = (rb * 128 + warp * 16) * cols + cb * 128 + lane * 4;  // this warp's 16 rows
+    uint2 v[16];
+    float amax = 0.f;
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      v[r] = *reinterpret_cast<const uint2*>(w + at + r * static_cast<long long>(cols));
+      amax = fmaxf(amax, fmaxf(bf16x2_amax(v[r].x), bf16x2_amax(v[r].y)));
+    }
+    amax = warp_max(amax);
+    if (lane == 0) warp_amax[warp] = amax;
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, warp_amax[i]);
+    const float inv = fp8_inv_scale(amax);
+#pragma unroll
+    for (int r = 0; r < 16; ++r)
+      *reinterpret_cast<uint32_t*>(q + at + r * static_cast<long long>(cols)) = quantize_bf16x4(v[r], inv);
+    if (threadIdx.x == 0) scales[blk] = fp8_scale(amax);
+    __syncthreads();  // warp_amax is rewritten by the next block
+  }
+}

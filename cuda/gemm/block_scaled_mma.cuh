@@ -1,0 +1,56 @@
+// One consumer warpgroup's step of the block-scaled FP8 GEMM (DeepSeek-V3's recipe, as
+// DeepGEMM runs it on Hopper): the tensor cores accumulate one 128-wide k-block of e4m3
+// products into a fresh fp32 `part`, and the warpgroup then adds part * (scale of A's row
+// for this k-block * scale of B's 128 x 128 block) into its running fp32 sum. Two reasons
+// to leave the tensor core's accumulator after every k-block: the scales change with the
+// k-block, and Hopper's FP8 MMA accumulates with fewer mantissa bits than fp32, which over
+// a long K loses precision that a sum of 128-term partials in CUDA-core fp32 keeps.
+//
+// `part` covers 64 rows x 128 columns (one wgmma m64n128k32 four times along k): the
+// 128 x 256 tile's sum (128 floats a thread) plus one part (64) fit a consumer's registers,
+// a second part would not, so a tile's two 128-column halves take turns.
+#pragma once
+#include "common/ptx.cuh"
+#include "common/wgmma_fp8.cuh"
+
+namespace epserve {
+
+constexpr int kFp8BlockK = 128;  // k-block of the scales: one 128-byte row of a stage
+
+// part = a[64 rows, k-block] . b[128 rows, k-block]^T, both 128-byte swizzled K-major tiles
+// of one stage; returns when the tensor cores are done with the stage's bytes and `part`.
+// The whole wgmma bracket is in here, so a caller's branch never splits one (ptxas
+// serializes every wgmma of a kernel where a bracket straddles a branch).
+// kIssue = false (a diagnostic build, EPSERVE_GEMM_FP8_MMA=0): no wgmma at all, part = 0.
+template <bool kIssue = true>
+__device__ __forceinline__ void k_block_mma(float (&part)[64], const unsigned char* a, const unsigned char* b) {
+  if constexpr (!kIssue) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) part[i] = 0.f;
+  } else {
+    fence_operands(part);  // the last promotion's reads of part stay before the fence
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kFp8BlockK / 32; ++kk)
+      wgmma_m64n128k32_e4m3(part, smem_desc_sw128(a + kk * 32), smem_desc_sw128(b + kk * 32), kk != 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operands(part);  // and the next promotion's after the wait
+  }
+}
+
+// sum[kOffset + i] += part[i] * scale of part[i]'s row: s_lo for this thread's row
+// (part[4j], part[4j+1]), s_hi for the row 8 below (part[4j+2], part[4j+3]). One rounded
+// fma per value, written out so every build (fused SwiGLU or not) rounds alike.
+template <int kOffset>
+__device__ __forceinline__ void promote(float (&sum)[128], const float (&part)[64], float s_lo, float s_hi) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    sum[kOffset + 4 * j] = __fmaf_rn(part[4 * j], s_lo, sum[kOffset + 4 * j]);
+    sum[kOffset + 4 * j + 1] = __fmaf_rn(part[4 * j + 1], s_lo, sum[kOffset + 4 * j + 1]);
+    sum[kOffset + 4 * j + 2] = __fmaf_rn(part[4 * j + 2], s_hi, sum[kOffset + 4 * j + 2]);
+    sum[kOffset + 4 * j + 3] = __fmaf_rn(part[4 * j + 3], s_hi, sum[kOffset + 4 * j + 3]);
+  }
+}
+
+}  // namespace epserve

@@ -1,0 +1,398 @@
+// The block-scaled FP8 grouped GEMM (issue 16): A [M, K] and B [E, rows, K] in e4m3, A with
+// one fp32 scale per row and 128-wide k-block, B with one per 128 x 128 block (DeepSeek-V3's
+// layout, common/fp8.cuh's convention), fp32 accumulation promoted per k-block
+// (gemm/block_scaled_mma.cuh). C[m, :] = dequant(A)[m, :] @ dequant(B[e])^T per expert.
+//
+// The structure is the bf16 kernel's (gemm/grouped_gemm_wgmma.cu, whose comment explains
+// each choice), without its experimental knobs: a persistent grid taking 128 x 256 tiles from
+// an atomic counter in gemm/tile_scheduler.cuh's order; two consumer warpgroups, 64 rows
+// each, skipping the MMA of a half without rows; a producer warpgroup whose first thread
+// issues the TMA loads of a ring of stages and whose other three warps write finished tiles
+// out (the null build's C store, or the peer sink's send warps) while the consumers go on.
+//
+// What FP8 changes:
+// - A stage is one k-block: 128 e4m3 = 128 bytes a row, one 128-byte swizzle row, so A
+//   (16 KB) and B (32 KB) have the bf16 kernel's bytes for twice its MMA work; a third TMA
+//   box brings the A scales of the tile's rows (scales stored k-block-major, [K / 128, ld],
+//   so they are one contiguous box). That box's first column is the tile's first row rounded
+//   down to a multiple of 4, and it is 132 floats wide: a TMA box's start in its innermost
+//   dimension must be 16-byte aligned (common/ptx.cuh, tma_load_2d), experts start at any
+//   row, and cuTensorMapEncodeTiled cannot check a coordinate. The first version started the
+//   box at the tile's first row; its first GPU run died with CUDA_ERROR_ILLEGAL_INSTRUCTION
+//   on experts starting at rows 0, 64, 129, 130, ... (notes/gemm.md). B's scales are read by
+//   the consumers from global memory (one float a half a k-block, the same for every thread:
+//   a broadcast).
+// - A consumer keeps a 128 x 256 tile's fp32 sum (128 registers) and computes each k-block
+//   into a 64-register part, one 128-column half at a time (sum + two parts would not fit).
+// - -DEPSERVE_GEMM_SWIGLU=1 builds GEMM 1: B is w13 [E, 2N, K], a stage holds N-tile n's
+//   128 gate rows and the matching up rows, and the epilogue applies SwiGLU and quantizes
+//   the tile's 128 act columns (one scale block) to e4m3 with one scale a row
+//   (ffn/swiglu_quantize.cuh): C is act_q [M, N] e4m3 and c_scales [N / 128, c_scale_ld]
+//   fp32, which is GEMM 2's A and A scales as they are. Without it (GEMM 2) C is bf16 [M, N]
+//   and the tile goes to the sink exactly as in the bf16 kernel.
+#include "common/bf16.cuh"
+#include "common/fp8.cuh"
+#include "common/ptx.cuh"
+#include "ffn/swiglu_quantize.cuh"
+#include "gemm/block_scaled_mma.cuh"
+#include "gemm/tile_scheduler.cuh"
+#include "sinks/ep_peer_sink.cuh"
+#include "sinks/null_peer_sink.cuh"
+#include "sinks/tile_mailbox.cuh"
+
+#ifndef EPSERVE_SINK
+#error "build with -DEPSERVE_SINK=NullPeerSink or -DEPSERVE_SINK=EpPeerSink"
+#endif
+#ifndef EPSERVE_GEMM_SWIGLU
+#define EPSERVE_GEMM_SWIGLU 0
+#endif
+#ifndef EPSERVE_GROUP_N
+#define EPSERVE_GROUP_N 4  // n-tiles of a weight-sharing group (gemm/tile_scheduler.cuh)
+#endif
+// Diagnostic builds (tests/gpu/test_gemm_fp8.py's probes, launch/jobs/probe_gemm_fp8.py), none
+// of them shipped; each keeps every barrier, arrival and byte count of the default build, so
+// a build that runs shows that what it left out was not the fault:
+// - EPSERVE_GEMM_FP8_TMA_LOADS: which TMA boxes the producer issues, bit 0 A, bit 1 A's
+//   scales, bit 2 B (default 7, all). A box left out is counted as arrived bytes instead
+//   (mbarrier.expect_tx of the bytes, then mbarrier.complete_tx of them), so the stage still
+//   completes; the consumers then compute on whatever the ring holds.
+// - EPSERVE_GEMM_FP8_MMA=0: the consumers issue no wgmma and promote nothing (a scale the
+//   ring holds unloaded could be NaN); the output is all zeros.
+// - EPSERVE_GEMM_FP8_CHECK_TMA=1: before each TMA load the producer checks what the hardware
+//   requires of it and cuTensorMapEncodeTiled cannot see (shared destination aligned to 128
+//   bytes, 1024 for the swizzled A and B boxes; innermost start coordinate a multiple of 16
+//   bytes) and on a violation prints the load, its coordinates and the tile, then traps.
+// - EPSERVE_GEMM_FP8_UNALIGNED_SCALES=1: the A-scale box starts at the tile's first row
+//   itself, as the first version did (the same values land in the same places): the build
+//   that reproduces the first GPU run's fault if an unaligned start was its cause.
+#ifndef EPSERVE_GEMM_FP8_TMA_LOADS
+#define EPSERVE_GEMM_FP8_TMA_LOADS 7
+#endif
+#ifndef EPSERVE_GEMM_FP8_MMA
+#define EPSERVE_GEMM_FP8_MMA 1
+#endif
+#ifndef EPSERVE_GEMM_FP8_CHECK_TMA
+#define EPSERVE_GEMM_FP8_CHECK_TMA 0
+#endif
+#ifndef EPSERVE_GEMM_FP8_UNALIGNED_SCALES
+#define EPSERVE_GEMM_FP8_UNALIGNED_SCALES 0
+#endif
+
+namespace {
+
+using Sink = EPSERVE_SINK;
+using namespace epserve;
+constexpr bool kSwiGLU = EPSERVE_GEMM_SWIGLU != 0;
+static_assert(!(kSwiGLU && Sink::kEnabled), "GEMM 1 keeps act on this GPU: its sink is the null one");
+constexpr int kBM = 128, kBN = 256, kBK = kFp8BlockK;  // kBN: accumulator columns of a tile
+constexpr int kHalfN = 128;  // columns of one part, and of one weight scale block
+constexpr int kOutCols = kSwiGLU ? kBN / 2 : kBN;
+constexpr int kConsumers = 2, kConsumerThreads = 128 * kConsumers;
+constexpr int kThreads = 128 * (kConsumers + 1);
+constexpr int kProducerWarpgroup = kConsumers;
+constexpr bool kSendWarps = Sink::kSendWarps > 0;
+constexpr bool kWriterWarps = kSendWarps || !Sink::kEnabled;
+static_assert(kWriterWarps, "a peer sink without send warps has no place in this kernel");
+constexpr int kCWriterWarps = 3;
+using CMailbox = TileMailbox<kConsumerThreads, kCWriterWarps * 32>;
+constexpr int kLightRegs = 40, kConsumerRegs = 232;
+static_assert(kConsumers * 128 * kConsumerRegs + 128 * kLightRegs <= 65536, "registers");
+static_assert(Sink::kSendWarps <= 3, "the send warps share the producer warpgroup with the TMA warp");
+constexpr int kHalfA = 64 * kBK;  // bytes of one warpgroup's 64 rows of an A stage: one TMA box
+// A's scales: a box of kScaleBox floats from the tile's first row rounded down to 4 (see the
+// top of the file), in a slot of kStageScales bytes (a TMA destination is 128-byte aligned).
+constexpr int kScaleAlign = 4;  // floats: 16 bytes
+constexpr int kScaleBox = kBM + kScaleAlign;
+constexpr int kScaleBoxBytes = kScaleBox * 4;
+static_assert(kScaleBoxBytes % 16 == 0 && kScaleBox <= 256, "a TMA box: whole 16 bytes, at most 256 elements");
+constexpr int kStageA = kBM * kBK, kStageB = kBN * kBK, kStageScales = (kScaleBoxBytes + 127) / 128 * 128;
+constexpr int kLoads = EPSERVE_GEMM_FP8_TMA_LOADS;
+static_assert(kLoads >= 0 && kLoads <= 7, "EPSERVE_GEMM_FP8_TMA_LOADS: bit 0 A, bit 1 A's scales, bit 2 B");
+constexpr bool kLoadA = kLoads & 1, kLoadScales = kLoads & 2, kLoadB = kLoads & 4;
+constexpr bool kMma = EPSERVE_GEMM_FP8_MMA != 0;
+constexpr bool kCheckTma = EPSERVE_GEMM_FP8_CHECK_TMA != 0;
+constexpr bool kUnalignedScales = EPSERVE_GEMM_FP8_UNALIGNED_SCALES != 0;
+
+// The finished tile in shared memory. GEMM 2: kBM rows of kOutCols bf16, each row padded by
+// 16 bytes (bank spread; the peer sink reads rows by stride), as in the bf16 kernel. GEMM 1:
+// kBM rows of 128 e4m3 with each row's 16-byte chunks rotated by row % 8 (the consumers'
+// 2-byte writes then spread over the banks), followed by the rows' scales.
+struct OutTile {
+  static constexpr int kLd = kOutCols + 8;  // bf16 elements between GEMM 2's rows
+  static constexpr int kRowBytes = kSwiGLU ? kOutCols : kLd * 2;
+  static constexpr int kBytes = kBM * kRowBytes + (kSwiGLU ? kBM * 4 : 0);
+  __device__ static int byte_offset(int row, int col) {
+    if constexpr (kSwiGLU) return row * kRowBytes + (((col >> 4) ^ (row & 7)) << 4) + (col & 15);
+    return row * kRowBytes + col * 2;
+  }
+};
+
+// Shared memory: the ring (A, B, A scales), the output tile, then the barriers, the mailbox
+// and the scheduler's table; the peer build's row scatter keeps its tables in static shared
+// memory, which the dynamic buffer follows at its 1024-byte alignment.
+constexpr int kSmemLimit = 227 * 1024;
+constexpr int kStaticSmem = Sink::kEnabled ? 2048 : 0;
+constexpr int kMaxStages = 6;
+constexpr int kTailBytes = 2 * kMaxStages * 8 + 32 + kMaxStages * 4 + (EPSERVE_MAX_LOCAL_EXPERTS + 1) * 4;
+constexpr int kStageBytes = kStageA + kStageB + kStageScales;
+constexpr int kFitStages = (kSmemLimit - kStaticSmem - OutTile::kBytes - kTailBytes) / kStageBytes;
+constexpr int kStages = kFitStages < kMaxStages ? kFitStages : kMaxStages;
+static_assert(kStages >= 2, "shared memory");
+constexpr int kSmemBytes = kStages * kStageBytes + OutTile::kBytes + kTailBytes;
+using Scheduler = GroupedTileScheduler<kBM, kOutCols, EPSERVE_GROUP_N>;
+
+struct alignas(64) TensorMap {
+  unsigned long long opaque[16];
+};
+
+// The column where a tile's A-scale box starts: its first row rounded down to 16 bytes.
+__device__ __forceinline__ int scale_box_col(int m_abs) {
+  return kUnalignedScales ? m_abs : m_abs & ~(kScaleAlign - 1);
+}
+
+// tma_load_2d, or (EPSERVE_GEMM_FP8_TMA_LOADS) its bytes counted as arrived without a load;
+// with EPSERVE_GEMM_FP8_CHECK_TMA, the hardware's requirements checked first.
+template <bool kIssue>
+__device__ __forceinline__ void stage_load(const char* what, void* dst, const TensorMap* map, uint64_t* bar, int x,
+                                           int y, int elem_bytes, uint32_t dst_align, uint32_t bytes, int tile) {
+  if constexpr (kCheckTma) {
+    const uint32_t d = smem_u32(dst);
+    if ((d & (dst_align - 1)) || ((static_cast<long long>(x) * elem_bytes) & 15)) {
+      printf("epserve_grouped_gemm_fp8: block %d, tile %d: TMA load of %s at (x %d, y %d) breaks a rule: shared "
+             "destination 0x%x (must be aligned to %u), innermost start %lld bytes (must be a multiple of 16)\n",
+             static_cast<int>(blockIdx.x), tile, what, x, y, d, dst_align, static_cast<long long>(x) * elem_bytes);
+      __trap();
+    }
+  }
+  if constexpr (kIssue) tma_load_2d(dst, map, bar, x, y);
+  else mbarrier_complete_tx(bar, bytes);
+}
+
+}  // namespace
+
+extern "C" __constant__ int epserve_gemm_smem_bytes = kSmemBytes;
+extern "C" __constant__ int epserve_gemm_threads = kThreads;
+extern "C" __constant__ int epserve_gemm_stages = kStages;
+extern "C" __constant__ int epserve_gemm_b_box_rows = kSwiGLU ? kBN / 2 : kBN;  // the rows of B's TMA box
+extern "C" __constant__ int epserve_gemm_scale_box_cols = kScaleBox;  // the columns (floats) of A's scale box
+
+// map_a: A [M, K] e4m3 in 64-row x 128-byte boxes; map_sa: A's scales [K / 128, >= M] fp32
+// in 1 x epserve_gemm_scale_box_cols boxes; map_b: B [E * b_rows, K] e4m3 in boxes of
+// epserve_gemm_b_box_rows rows; b_scales [E, b_rows / 128, K / 128]. N: output columns (b_rows = N, or 2N with SwiGLU);
+// N and K multiples of 128. C: bf16 [M, N] (null sink; may be null with the peer sink), or
+// with SwiGLU e4m3 [M, N] and c_scales [N / 128, c_scale_ld]. tile_counter: two ints, zero
+// at launch and zero again when the kernel ends (the last CTA resets them).
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
+    epserve_grouped_gemm_fp8(const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_sa,
+                             const __grid_constant__ TensorMap map_b, const float* __restrict__ b_scales,
+                             void* __restrict__ C, float* __restrict__ c_scales, long long c_scale_ld,
+                             const int* __restrict__ expert_offsets, int num_experts, int N, int K,
+                             const PeerSendConfig cfg, int gate, int* __restrict__ tile_counter) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  unsigned char* ring_a = smem;
+  unsigned char* ring_b = ring_a + kStages * kStageA;
+  float* ring_sa = reinterpret_cast<float*>(ring_b + kStages * kStageB);
+  unsigned char* out_tile = reinterpret_cast<unsigned char*>(ring_sa) + kStages * kStageScales;
+  float* out_scales = reinterpret_cast<float*>(out_tile + kBM * OutTile::kRowBytes);  // GEMM 1 only
+  uint64_t* full = reinterpret_cast<uint64_t*>(out_tile + OutTile::kBytes);
+  uint64_t* empty = full + kStages;
+  SendMailbox* mailbox = reinterpret_cast<SendMailbox*>(full + 2 * kMaxStages);
+  int* stage_tile = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(mailbox) + 32);  // [kMaxStages]
+  int* mtile_prefix = stage_tile + kMaxStages;
+
+  if (threadIdx.x == 0) {
+    if (smem_u32(smem) & 1023u) __trap();  // the 128-byte swizzle's pattern is tied to 1024-byte alignment
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(&full[s], 1);
+      mbarrier_init(&empty[s], kConsumers);
+    }
+    fence_mbarrier_init();
+  }
+  Scheduler sched;
+  sched.init(expert_offsets, num_experts, N, mtile_prefix);  // its __syncthreads publishes the barriers too
+  const int k_blocks = K / kBK;
+  const int b_rows = kSwiGLU ? 2 * N : N;  // B rows per expert
+  // Read through a shuffle so the compiler knows it is warp-uniform (the bf16 kernel says why).
+  const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+
+  if (warpgroup == kProducerWarpgroup) {
+    setmaxnreg_dec<kLightRegs>();
+    const int warp = (threadIdx.x % 128) / 32;
+    if constexpr (kSendWarps) {
+      if (warp >= 1 && warp <= Sink::kSendWarps && gate >= 0)
+        Sink::template service<kConsumerThreads>(
+            SmemTile{reinterpret_cast<const bf16_t*>(out_tile), OutTile::kLd, 0, 0}, mailbox, cfg,
+            threadIdx.x % 128 - 32);
+    } else {
+      if (warp >= 1 && warp <= kCWriterWarps) {
+        const int writer = threadIdx.x % 128 - 32;
+        constexpr int kChunks = kOutCols * (kSwiGLU ? 1 : 2) / 16;  // 16-byte chunks of a tile row
+        const int row_bytes = N * (kSwiGLU ? 1 : 2);
+        CMailbox::serve(mailbox, [&](const SendMailbox& m) {
+          const int elem = kSwiGLU ? 1 : 2;
+          for (int i = writer; i < m.rows * kChunks; i += kCWriterWarps * 32) {
+            const int r = i / kChunks, c = (i % kChunks) * 16 / elem;  // c: the chunk's first column
+            if (c < m.cols)
+              st_global_v4(static_cast<unsigned char*>(C) + static_cast<long long>(m.m_abs + r) * row_bytes +
+                               static_cast<long long>(m.n_abs + c) * elem,
+                           ld_shared_v4(out_tile + OutTile::byte_offset(r, c)));
+          }
+          if constexpr (kSwiGLU) {
+            for (int r = writer; r < m.rows; r += kCWriterWarps * 32)
+              c_scales[(m.n_abs / kHalfN) * c_scale_ld + m.m_abs + r] = out_scales[r];
+          }
+        });
+      }
+    }
+    // Producer: one thread takes tiles from the counter and keeps the ring full. A tile's first
+    // stage carries its index to the consumers (the full barrier publishes it); index -1 in
+    // an otherwise empty stage tells them to stop.
+    if (threadIdx.x % 128 == 0) {
+      int stage = 0;
+      uint32_t phase = 0;
+      for (;;) {
+        const int index = atomicAdd(tile_counter, 1);
+        if (index >= sched.total_tiles) {
+          mbarrier_wait(&empty[stage], phase ^ 1);
+          stage_tile[stage] = -1;
+          mbarrier_expect_tx(&full[stage], 0);
+          // The last CTA to stop resets the counter for the next launch on the stream.
+          if (atomicAdd(tile_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+            tile_counter[0] = 0;
+            tile_counter[1] = 0;
+          }
+          break;
+        }
+        const GroupedTile t = sched.tile(index);
+        const int a_boxes = t.rows > 64 ? 2 : 1;  // a tail of at most 64 rows loads (and computes) one half
+        const int b_row = t.expert * b_rows + t.n_abs;
+        for (int kt = 0; kt < k_blocks; ++kt) {
+          mbarrier_wait(&empty[stage], phase ^ 1);  // both consumer warpgroups are done with the stage
+          if (kt == 0) stage_tile[stage] = index;
+          mbarrier_expect_tx(&full[stage], a_boxes * kHalfA + kStageB + kScaleBoxBytes);
+          for (int h = 0; h < a_boxes; ++h)
+            stage_load<kLoadA>("A", ring_a + stage * kStageA + h * kHalfA, &map_a, &full[stage], kt * kBK,
+                               t.m_abs + 64 * h, 1, 1024, kHalfA, index);
+          // The scales of the tile's rows, from a 16-byte aligned column (past the end of A:
+          // zeros, never used).
+          stage_load<kLoadScales>("A scales", ring_sa + stage * (kStageScales / 4), &map_sa, &full[stage],
+                                  scale_box_col(t.m_abs), kt, 4, 128, kScaleBoxBytes, index);
+          unsigned char* b = ring_b + stage * kStageB;
+          if constexpr (kSwiGLU) {  // gate rows, then the matching up rows
+            stage_load<kLoadB>("B gate", b, &map_b, &full[stage], kt * kBK, b_row, 1, 1024, kStageB / 2, index);
+            stage_load<kLoadB>("B up", b + kStageB / 2, &map_b, &full[stage], kt * kBK, b_row + N, 1, 1024,
+                               kStageB / 2, index);
+          } else {
+            stage_load<kLoadB>("B", b, &map_b, &full[stage], kt * kBK, b_row, 1, 1024, kStageB, index);
+          }
+          if (++stage == kStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+    }
+  } else {
+    setmaxnreg_inc<kConsumerRegs>();
+    const int tid = threadIdx.x;  // 0 .. kConsumerThreads - 1
+    const int lane = tid % 32, warp = (tid % 128) / 32;
+    const int row = warpgroup * 64 + warp * 16 + lane / 4;  // this thread's first row in the tile
+    auto release = [&](int s) {
+      if (tid % 128 == 0) mbarrier_arrive(&empty[s]);
+    };
+    int stage = 0;
+    uint32_t phase = 0;
+    auto advance = [&] {
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    };
+    float sum[128];
+    float part[64];
+    bool tile_pending = false;  // the writer warps still hold the shared output tile
+    for (;;) {
+      mbarrier_wait(&full[stage], phase);  // the tile's first stage (the k-loop's wait returns at once)
+      const int index = stage_tile[stage];
+      if (index < 0) break;
+      const GroupedTile t = sched.tile(index);
+      // The weight scale rows of the tile's two halves: the gate block and its up block, or
+      // two neighbouring blocks; GEMM 2's last tile may have no second half.
+      const bool second_half = kSwiGLU || t.n_abs + kHalfN < N;
+      const int nb0 = t.n_abs / kHalfN;
+      const int nb1 = kSwiGLU ? (N + t.n_abs) / kHalfN : (second_half ? nb0 + 1 : nb0);
+      const float* sb = b_scales + static_cast<long long>(t.expert) * (b_rows / kHalfN) * k_blocks;
+      const float* sb0 = sb + static_cast<long long>(nb0) * k_blocks;
+      const float* sb1 = sb + static_cast<long long>(nb1) * k_blocks;
+      if (warpgroup * 64 < t.rows) {
+#pragma unroll
+        for (int i = 0; i < 128; ++i) sum[i] = 0.f;
+        for (int kt = 0; kt < k_blocks; ++kt) {
+          const float b_scale0 = __ldg(sb0 + kt), b_scale1 = __ldg(sb1 + kt);  // in flight during the wait
+          mbarrier_wait(&full[stage], phase);
+          const float* sa = ring_sa + stage * (kStageScales / 4) + (t.m_abs - scale_box_col(t.m_abs));
+          const float a_lo = sa[row], a_hi = sa[row + 8];
+          const unsigned char* a = ring_a + stage * kStageA + warpgroup * kHalfA;
+          const unsigned char* b = ring_b + stage * kStageB;
+          k_block_mma<kMma>(part, a, b);
+          if (!second_half) release(stage);
+          if constexpr (kMma) promote<0>(sum, part, a_lo * b_scale0, a_hi * b_scale0);  // (a probe: sum stays 0)
+          if (second_half) {
+            k_block_mma<kMma>(part, a, b + kHalfN * kBK);
+            release(stage);
+            if constexpr (kMma) promote<64>(sum, part, a_lo * b_scale1, a_hi * b_scale1);
+          }
+          advance();
+        }
+      } else {  // no rows in this warpgroup's half: free the stages for the producer
+        for (int kt = 0; kt < k_blocks; ++kt) {
+          mbarrier_wait(&full[stage], phase);
+          release(stage);
+          advance();
+        }
+      }
+
+      if constexpr (Sink::kEnabled) {
+        if (gate < 0) continue;  // the peer sink gated off: the math alone
+      }
+      if (tile_pending) {  // wait until the writer warps are done with the last tile
+        if constexpr (kSendWarps) Sink::template drain<kConsumerThreads>();
+        else CMailbox::drain();
+      }
+      if (warpgroup * 64 < t.rows) {
+        if constexpr (kSwiGLU) {
+          // The row through an empty asm: otherwise the compiler keeps the 32 swizzled store
+          // addresses in registers across the tile loop, and they spill.
+          int erow = row;
+          asm volatile("" : "+r"(erow));
+          const float2 s = swiglu_quantize(sum, lane, [&](int dr, int col, uint16_t v) {
+            *reinterpret_cast<uint16_t*>(out_tile + OutTile::byte_offset(erow + dr, col)) = v;
+          });
+          if (lane % 4 == 0) {
+            out_scales[row] = s.x;
+            out_scales[row + 8] = s.y;
+          }
+        } else {  // n8 block j: values 4j, 4j+1 at (row, 8j + 2q, +1), 4j+2, 4j+3 at row + 8
+          const int colq = 2 * (lane % 4);
+#pragma unroll
+          for (int j = 0; j < kOutCols / 8; ++j) {
+            *reinterpret_cast<uint32_t*>(out_tile + OutTile::byte_offset(row, 8 * j + colq)) =
+                pack_bf16x2(sum[4 * j], sum[4 * j + 1]);
+            *reinterpret_cast<uint32_t*>(out_tile + OutTile::byte_offset(row + 8, 8 * j + colq)) =
+                pack_bf16x2(sum[4 * j + 2], sum[4 * j + 3]);
+          }
+        }
+      }
+      // The hand-over's barrier publishes the tile to the writer warps.
+      const SmemTile tile{reinterpret_cast<const bf16_t*>(out_tile), OutTile::kLd, t.rows, min(kOutCols, N - t.n_abs)};
+      if constexpr (kSendWarps) Sink::template hand_over<kConsumerThreads>(mailbox, tile, t.m_abs, t.n_abs, tid);
+      else CMailbox::hand_over(mailbox, tile, t.m_abs, t.n_abs, tid);
+      tile_pending = true;
+    }
+    if constexpr (kSendWarps) {
+      if (gate >= 0) Sink::template shutdown<kConsumerThreads>(mailbox, tile_pending, tid);
+    } else {
+      CMailbox::shutdown(mailbox, tile_pending, tid);
+    }
+  }
+}

@@ -1,0 +1,107 @@
+"""The FP8 presets' paths at one point (issue 16): the service in FP8 mode
+(MoEConfig.expert_dtype "fp8"), its weights from epserve.quantize_weights. The rows have the
+bf16 presets' path names, so the report and the baselines read them alike:
+
+  gemm1          quantize the received rows 1 x 128 + FP8 GEMM 1 + SwiGLU + act's quantization
+  gemm2          FP8 GEMM 2 with the peer sink gated off (the math alone)
+  fused          FP8 GEMM 2 with the peer sink + the reduction
+  unfused        FP8 GEMM 2 storing C + the transport + the reduction
+  dispatch-direct the bf16 dispatch (unchanged in FP8 mode: the FP8 dispatch is not built)
+  layer-fused    forward, direct dispatch, peer sink
+  layer-unfused  forward, NCCL dispatch, null sink
+
+Their FLOPs are the bf16 layer's (the same products); the caller rates the GEMMs against an
+FP8 dense limit measured in the same run (limits.fp8_gemm_rate). The HBM floors keep bf16's
+weight bytes, so for the weight-bound decode they are upper bounds. Checked: fused ==
+unfused and layer-fused == layer-unfused bitwise, GEMM 1 reruns bitwise. Reported, not
+asserted: the FP8 layer's relative error against the bf16 layer on the same tokens and
+(unquantized) weights, which is what FP8 costs in accuracy."""
+
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from epserve.arrays import BF16
+from epserve.bench import arithmetic
+from epserve.bench.measure import PathResult, _busiest_rank, bitwise_wrong, dispatch_work, time_paths
+from epserve.ffn import fp8_stage, gemm
+
+PATHS = ("gemm1", "gemm2", "fused", "unfused", "dispatch-direct", "layer-fused", "layer-unfused")
+
+
+def measure_point_fp8(svc, w13, w2, fp8w, topk_all, seed: int, warmup: int, iters: int):
+    """Every FP8 path at one point; collective. w13, w2: this rank's bf16 weights (for the
+    error against the bf16 layer); fp8w: quantize_weights of them. Returns (results, the
+    FP8 layer's relative error against the bf16 layer over every rank's tokens)."""
+    comm, rank, cfg = svc.comm, svc.rank, svc.config
+    H, I, E, e_loc = cfg.hidden, cfg.intermediate, cfg.num_experts, cfg.experts_per_rank
+    counts = arithmetic.count_routing(topk_all, E)
+    idx = cupy.asarray(topk_all[rank])
+    T = idx.shape[0]
+    rs = cupy.random.RandomState(seed + 1000 * rank)
+    x = rs.standard_normal((T, H), dtype=np.float32).astype(BF16)
+    w = rs.uniform(0.05, 1.0, (T, cfg.top_k), dtype=np.float32)
+
+    direct = svc.dispatch(x, idx, w, "direct")
+    M = direct.num_rows
+    buffers = fp8_stage.FP8Buffers(max(M, 1), H, I)  # the bench's own act, beside the service's
+    act = buffers.act
+    gemm1 = fp8_stage.gemm1_specs(buffers, direct.rows, direct.expert_offsets, fp8w, e_loc, I, H)
+    gemm.run(gemm1)
+    act_first = (act.q.copy(), act.scales.copy())
+    comb = svc.combiner
+    rows_src = svc._send_plan(direct)
+    C = cupy.empty((M, H), BF16)
+    outs = {name: cupy.empty((T, H), BF16) for name in ("fused", "unfused", "layer-fused", "layer-unfused", "bf16")}
+    nccl_path = svc.nccl_path
+
+    plan = rows_src if svc.transport == "ipc" else svc._host_plan(idx)  # the host plan, once (MPI)
+
+    def unfused():
+        gemm.run(fp8_stage.gemm2_specs("null", act, fp8w, C, direct.expert_offsets, e_loc, H, I))
+        comb.unfused(C, plan, idx, w, out=outs["unfused"])
+
+    runs = {
+        "gemm1": lambda: gemm.run(gemm1),
+        "gemm2": lambda: comb.gemm_only(act, fp8w, rows_src, I),
+        "fused": lambda: comb.fused(act, fp8w, rows_src, idx, w, I, out=outs["fused"]),
+        "unfused": unfused,
+        "dispatch-direct": lambda: svc.dispatch(x, idx, w, "direct"),
+        "layer-fused": lambda: svc.forward(x, idx, w, fp8w, None, "peer", "direct", out=outs["layer-fused"]),
+        "layer-unfused": lambda: svc.forward(x, idx, w, fp8w, None, "null", "nccl", out=outs["layer-unfused"]),
+    }
+    samples, calls = time_paths(comm, runs, PATHS, warmup, iters)
+    svc.check()
+
+    # The bf16 layer on the same dispatched rows: bf16 GEMM 1 + SwiGLU, bf16 GEMM 2 with the peer sink.
+    act_bf16 = cupy.empty((M, I), BF16)
+    gemm.gemm1_swiglu(direct.rows, w13, act_bf16, direct.expert_offsets, e_loc, I, H)  # rows as dispatched
+    comb.fused(act_bf16, w2, rows_src, idx, w, I, out=outs["bf16"])
+    svc.check()
+    diff = outs["layer-fused"].astype(np.float64) - outs["bf16"].astype(np.float64)
+    sums = comm.allreduce((float(cupy.sum(diff * diff)), float(cupy.sum(outs["bf16"].astype(np.float64) ** 2))))
+    err_vs_bf16 = float(np.sqrt(sums[0] / sums[1])) if sums[1] > 0 else 0.0
+
+    wrong = {
+        "gemm1": bitwise_wrong(act.q, act_first[0]) + int((act.scales != act_first[1]).sum()),
+        "gemm2": None,
+        "fused": bitwise_wrong(outs["fused"], outs["unfused"]),
+        "unfused": None,
+        "dispatch-direct": None,
+        "layer-fused": bitwise_wrong(outs["layer-fused"], outs["layer-unfused"]),
+        "layer-unfused": None,
+    }
+    work = {
+        "gemm1": arithmetic.gemm1_work(counts, H, I),
+        "gemm2": arithmetic.gemm2_work(counts, H, I),
+        "fused": arithmetic.gemm2_combine_work(counts, H, I),
+        "unfused": arithmetic.gemm2_combine_work(counts, H, I),
+        "dispatch-direct": dispatch_work(counts, H, dedup=True),
+        "layer-fused": arithmetic.layer_work(counts, H, I, dedup_dispatch=True),
+        "layer-unfused": arithmetic.layer_work(counts, H, I, dedup_dispatch=nccl_path is not None),
+    }
+    results = [PathResult(p, samples[p], work[p], None if wrong[p] is None else comm.allreduce(wrong[p]),
+                          *_busiest_rank(comm, calls[p]))
+               for p in PATHS]
+    return results, err_vs_bf16

@@ -1,0 +1,83 @@
+"""The FP8 expert FFN as the service runs it (MoEConfig.expert_dtype "fp8", issue 16): after
+the bf16 dispatch, the received rows are quantized to e4m3 with 1 x 128 scales, GEMM 1 runs
+on FP8 with SwiGLU and act's quantization in its epilogue, and GEMM 2 on FP8 hands bf16 rows
+to the sink, exactly as the bf16 GEMM 2 does, so the combine is unchanged.
+
+Every buffer is made once, at capacity (MoEConfig.recv_rows_capacity rows), and the row
+count stays on the device: the quantizer reads it from expert_offsets[E_loc], the GEMMs from
+expert_offsets as always. So a forward allocates nothing, its tensor maps are made once per
+buffer (epserve.ffn.gemm_fp8's caches) and it can be captured in a CUDA graph.
+
+The weights are the output of epserve.quantize_weights(w13, w2) (FP8Weights), checked here
+against the config the way the bf16 weights are (shapes, dtypes, device, contiguity).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cupy
+import numpy as np
+
+from epserve.arrays import checked_array
+from epserve.check.fp8_reference import BLOCK, scale_ld
+from epserve.errors import ConfigError
+from epserve.ffn import fp8, gemm, gemm_fp8
+from epserve.ffn.fp8 import FP8Weights
+
+
+@dataclass(frozen=True)
+class FP8Act:
+    """GEMM 2's A in FP8: q [rows, I] e4m3 (uint8) and scales [I / 128, scale_ld(rows)] float32."""
+
+    q: cupy.ndarray
+    scales: cupy.ndarray
+
+
+class FP8Buffers:
+    """The FP8 FFN's operands at capacity: the quantized received rows and their scales, and
+    GEMM 1's quantized act and its scales."""
+
+    def __init__(self, capacity: int, hidden: int, intermediate: int):
+        ld = scale_ld(capacity)
+        self.rows_q = cupy.zeros((capacity, hidden), np.uint8)
+        self.rows_scales = cupy.zeros((hidden // BLOCK, ld), np.float32)
+        self.act = FP8Act(cupy.zeros((capacity, intermediate), np.uint8),
+                          cupy.zeros((intermediate // BLOCK, ld), np.float32))
+
+
+def checked_weights(weights, w2, experts: int, hidden: int, intermediate: int) -> FP8Weights:
+    """The FP8Weights a forward was given (as w13; w2 None or the same object), each array
+    checked like a bf16 weight; ConfigError otherwise."""
+    if not isinstance(weights, FP8Weights):
+        raise ConfigError(f"with expert_dtype 'fp8', pass epserve.quantize_weights(w13, w2) (an FP8Weights) as w13, "
+                          f"got {type(weights).__name__}")
+    if w2 is not None and w2 is not weights:
+        raise ConfigError("with expert_dtype 'fp8', w2 must be None (the FP8Weights passed as w13 holds both "
+                          "projections)")
+    E, H, I = experts, hidden, intermediate
+    return FP8Weights(checked_array(weights.w13, "w13 (e4m3)", "uint8", (E, 2 * I, H)),
+                      checked_array(weights.w13_scales, "w13_scales", "float32", (E, 2 * I // BLOCK, H // BLOCK)),
+                      checked_array(weights.w2, "w2 (e4m3)", "uint8", (E, H, I)),
+                      checked_array(weights.w2_scales, "w2_scales", "float32", (E, H // BLOCK, I // BLOCK)))
+
+
+def gemm1_specs(buffers: FP8Buffers, rows, expert_offsets, weights: FP8Weights, experts: int, intermediate: int,
+                hidden: int) -> list:
+    """The received rows (bf16 [M, H], M at most the capacity) quantized 1 x 128, then GEMM 1
+    + SwiGLU + act's quantization into buffers.act: two launches. The quantizer stops at the
+    call's row count, read on the device (expert_offsets[experts]), so rows may be the
+    dispatch's whole capacity-sized buffer."""
+    b = buffers
+    count = expert_offsets[experts:]  # a view: the kernel reads its first int
+    return ([fp8.quantize_rows_spec(rows, b.rows_q, b.rows_scales, rows.shape[0], count)]
+            + gemm_fp8.gemm1_swiglu_fp8_specs(b.rows_q, b.rows_scales, weights.w13, weights.w13_scales, b.act.q,
+                                              b.act.scales, expert_offsets, experts, intermediate, hidden))
+
+
+def gemm2_specs(sink: str, act, w2, C, expert_offsets, experts: int, N: int, K: int, cfg=None, gate: int = 0) -> list:
+    """GEMM 2 for either dtype: act an FP8Act with w2 the FP8Weights, or bf16 act and w2."""
+    if isinstance(act, FP8Act):
+        return gemm_fp8.grouped_gemm_fp8_specs(sink, act.q, act.scales, w2.w2, w2.w2_scales, C, expert_offsets,
+                                               experts, N, K, cfg, gate)
+    return gemm.grouped_gemm_specs(sink, act, w2, C, expert_offsets, experts, N, K, cfg, gate)

@@ -1,0 +1,149 @@
+"""The FP8 expert GEMMs alone on one GPU (issue 16), at a preset's shapes and the bench's
+routings, beside the bf16 wgmma GEMMs on the same rows:
+
+    python launch/jobs/time_gemm_fp8.py [--preset dsv3-prefill] [--ranks 2] [--routing balanced ...]
+
+Rows per expert are those rank 0 receives when `--ranks` ranks route the preset's tokens
+(launch/jobs/time_gemm.py's rows_per_expert: same seeds, same routings). Per routing:
+GEMM 1 FP8 with SwiGLU and act quantization in its epilogue, the same FP8 GEMM storing
+[M, 2I] in bf16, and bf16 GEMM 1 + SwiGLU; GEMM 2 FP8 with the null sink, in its peer build
+gated off, and bf16 GEMM 2. A dense FP8 GEMM (one expert, 8192^3, our kernel) and the dense
+bf16 cuBLAS GEMM give the machine's rates in the same run. CUDA-event medians, paths
+interleaved; TFLOP/s count real rows only. The issue's target: each FP8 GEMM >= 1100 TFLOP/s
+at dsv3-prefill, balanced routing.
+
+Checks printed with the times: fused GEMM 1 against the unfused FP8 path (bitwise), and the
+relative difference of the FP8 GEMM 2 from the bf16 one on the same unquantized inputs (the
+cost of quantization: reported, not asserted). One process: no communication in the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import cupy
+import numpy as np
+
+from epserve.arrays import BF16
+from epserve.bench import arithmetic, presets
+from epserve.check.fp8_reference import scale_ld
+from epserve.ffn import fp8, gemm, gemm_fp8
+from epserve.runtime.kernel_structs import PEER_SEND_CONFIG
+from time_gemm import dense, interleaved_ms, row, rows_per_expert  # launch/jobs/time_gemm.py
+
+TARGET_TFLOPS = 1100
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="dsv3-prefill", choices=sorted(presets.PRESETS))
+    p.add_argument("--ranks", type=int, default=2, help="ranks the preset's experts are spread over (default 2)")
+    p.add_argument("--routing", nargs="+", default=["balanced", "uniform"],
+                   help="uniform, balanced, skewed or skewed:<exponent> (default: balanced uniform)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--skip-bf16", action="store_true", help="time the FP8 GEMMs only")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=15)
+    args = p.parse_args()
+    preset = presets.get_preset(args.preset)
+    H, I, E = preset.hidden, preset.intermediate, preset.num_experts // args.ranks
+    rs = cupy.random.RandomState(5)
+    dev = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    print(f"# FP8 grouped GEMMs on one GPU ({dev}): {preset.name}, H {H}, I {I}, {E} local experts of "
+          f"{preset.num_experts} over {args.ranks} ranks, {preset.tokens_per_rank} tokens/rank, top-{preset.top_k}")
+    print(f"{'routing':<12}{'GEMM':<8}{'path':>34}{'ms':>9}{'TFLOP/s':>9}{'weights GB/s':>13}{'check':>11}")
+    dense(rs, 8192)
+    dense_fp8(rs, 8192)
+    w13 = (rs.standard_normal((E, 2 * I, H), dtype=np.float32) / np.sqrt(H)).astype(BF16)
+    w2 = (rs.standard_normal((E, H, I), dtype=np.float32) / np.sqrt(I)).astype(BF16)
+    weights = fp8.quantize_weights(w13, w2)
+    for spec in args.routing:
+        rows = rows_per_expert(spec, preset, args.ranks, args.seed)
+        print(f"# {spec}: {rows.sum()} rows, per expert min {rows.min()} mean {rows.mean():.1f} max {rows.max()}; "
+              f"real share of MMA rows: {arithmetic.mma_row_fraction(rows, 128, 64):.3f} (64-row tails)")
+        offsets_host = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
+        gemm1(rs, spec, offsets_host, w13, weights, H, I, args)
+        gemm2(rs, spec, offsets_host, w2, weights, H, I, args)
+
+
+def dense_fp8(rs, n):
+    """Our FP8 GEMM as a dense one: a single expert of n rows, n x n weights."""
+    a_q, a_s = fp8.quantize_rows(rs.standard_normal((n, n), dtype=np.float32).astype(BF16))
+    b_q, b_s = fp8.quantize_blocks(rs.standard_normal((1, n, n), dtype=np.float32).astype(BF16))
+    c = cupy.empty((n, n), BF16)
+    offsets = cupy.asarray(np.array([0, n], np.int32))
+    times = interleaved_ms({"fp8": lambda: gemm_fp8.grouped_gemm_fp8("null", a_q, a_s, b_q, b_s, c, offsets, 1, n,
+                                                                      n)}, 2, 10)
+    row("-", "dense", f"FP8 GEMM (ours) {n}^3", times["fp8"], 2 * n**3, 0)
+
+
+def verdict(ms, flops):
+    return "target met" if flops / ms / 1e9 >= TARGET_TFLOPS else f"< {TARGET_TFLOPS}"
+
+
+def gemm1(rs, spec, offsets_host, w13_host, weights, H, I, args):
+    E, M = w13_host.shape[0], int(offsets_host[-1])
+    offsets = cupy.asarray(offsets_host)
+    A = rs.standard_normal((M, H), dtype=np.float32).astype(BF16)
+    a_q, a_s = fp8.quantize_rows(A)
+    act, act2 = cupy.empty((M, I), np.uint8), cupy.empty((M, I), np.uint8)
+    act_s, act_s2 = (cupy.zeros((I // 128, scale_ld(M)), np.float32) for _ in range(2))
+    h, act_bf16 = cupy.empty((M, 2 * I), BF16), cupy.empty((M, I), BF16)
+    flops = arithmetic.gemm1_flops(M, H, I)
+    wbytes = int((np.diff(offsets_host) > 0).sum()) * 2 * I * H
+
+    def fused():
+        gemm_fp8.gemm1_swiglu_fp8(a_q, a_s, weights.w13, weights.w13_scales, act, act_s, offsets, E, I, H)
+
+    def unfused():
+        gemm_fp8.grouped_gemm_fp8("null", a_q, a_s, weights.w13, weights.w13_scales, h, offsets, E, 2 * I, H)
+        gemm.swiglu(h, act_bf16, M, I)
+        fp8.quantize_rows(act_bf16, act2, act_s2)
+
+    runs = {"fp8 + SwiGLU + quantize epilogue": fused, "fp8 [M, 2I] + SwiGLU + quantize": unfused,
+            "fp8 [M, 2I] alone": lambda: gemm_fp8.grouped_gemm_fp8("null", a_q, a_s, weights.w13, weights.w13_scales,
+                                                                   h, offsets, E, 2 * I, H)}
+    if not args.skip_bf16:
+        w13 = cupy.asarray(w13_host)
+        act_b = cupy.empty((M, I), BF16)
+        runs["bf16 wgmma + SwiGLU epilogue"] = lambda: gemm.gemm1_swiglu(A, w13, act_b, offsets, E, I, H)
+    times = interleaved_ms(runs, args.warmup, args.iters)
+    fused()
+    unfused()
+    same = bool((act == act2).all()) and bool((act_s[:, :M] == act_s2[:, :M]).all())
+    for path, ms in times.items():
+        check = ("bitwise" if same else "DIFFER") if path.startswith("fp8 [M, 2I] +") else ""
+        if path.startswith("fp8 + SwiGLU"):
+            check = verdict(ms, flops)
+        row(spec, "GEMM 1", path, ms, flops, wbytes * (2 if path.startswith("bf16") else 1), check)
+
+
+def gemm2(rs, spec, offsets_host, w2_host, weights, H, I, args):
+    E, M = w2_host.shape[0], int(offsets_host[-1])
+    offsets = cupy.asarray(offsets_host)
+    A = rs.standard_normal((M, I), dtype=np.float32).astype(BF16)
+    a_q, a_s = fp8.quantize_rows(A)
+    C, C_bf16 = cupy.empty((M, H), BF16), cupy.empty((M, H), BF16)
+    flops = arithmetic.gemm2_flops(M, H, I)
+    wbytes = int((np.diff(offsets_host) > 0).sum()) * H * I
+    gated_off = np.zeros(1, PEER_SEND_CONFIG)
+    w = (weights.w2, weights.w2_scales)
+    runs = {"fp8 (null sink)": lambda: gemm_fp8.grouped_gemm_fp8("null", a_q, a_s, *w, C, offsets, E, H, I),
+            "fp8 (peer build, gated off)": lambda: gemm_fp8.grouped_gemm_fp8("peer", a_q, a_s, *w, None, offsets, E,
+                                                                           H, I, gated_off, -1)}
+    w2 = cupy.asarray(w2_host)
+    if not args.skip_bf16:
+        runs["bf16 wgmma (null sink)"] = lambda: gemm.grouped_gemm("null", A, w2, C_bf16, offsets, E, H, I)
+    times = interleaved_ms(runs, args.warmup, args.iters)
+    gemm_fp8.grouped_gemm_fp8("null", a_q, a_s, *w, C, offsets, E, H, I)
+    gemm.grouped_gemm("null", A, w2, C_bf16, offsets, E, H, I)
+    c, ref = C.astype(np.float32), C_bf16.astype(np.float32)
+    vs_bf16 = f"{float(cupy.linalg.norm(c - ref) / cupy.linalg.norm(ref)):.4f}"
+    for path, ms in times.items():
+        check = verdict(ms, flops) if path == "fp8 (null sink)" else ("rel " + vs_bf16 if path.startswith("bf16")
+                                                                      else "")
+        row(spec, "GEMM 2", path, ms, flops, wbytes * (2 if path.startswith("bf16") else 1), check)
+
+
+if __name__ == "__main__":
+    main()
