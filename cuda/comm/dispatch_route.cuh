@@ -45,7 +45,8 @@ __device__ void count_chunks(const int* __restrict__ topk_idx, int T, const Disp
 // exclusive scan over the chunks, one counter per thread, turns chunk_counts into chunk bases
 // and leaves the totals (this rank's count row) in totals; thread 0 takes the lowest bad slot
 // into *bad, resets *bad_slot for the next call and records a bad expert id of this rank's
-// own routing. The other CTAs wrote chunk_counts and *bad_slot in this launch: read from L2.
+// own routing; it ends with a barrier, so every thread may read *bad and totals after it.
+// The other CTAs wrote chunk_counts and *bad_slot in this launch: read from L2.
 __device__ void route_totals(const int* __restrict__ topk_idx, int T, int input_error, const DispatchConfig& cfg,
                              int* __restrict__ chunk_counts, int* __restrict__ bad_slot, int* totals, int* bad) {
   const int E = cfg.num_experts, W = cfg.world, k = cfg.top_k, width = E + W;
@@ -80,6 +81,11 @@ __device__ void route_totals(const int* __restrict__ topk_idx, int T, int input_
     *bad = atomicExch(bad_slot, 0x7fffffff);  // the other CTAs' atomicMin live in L2
     if (!input_error && *bad != 0x7fffffff) record_error(cfg.error, kDispatchBadExpert, *bad / k, topk_idx[*bad]);
   }
+  // Callers read *bad and totals from every thread (publish takes bad by value, before its
+  // own barrier): without this one, threads read the shared word before thread 0 wrote it,
+  // and a call whose routing was fine published a bad-expert code (seen on an H200: the
+  // second call of a job stopped with "routed to expert ids outside [-1, num_experts)").
+  __syncthreads();
 }
 
 // The direct transport's publish, by one CTA after route_totals: once every rank has released

@@ -129,7 +129,8 @@ def run_one(name: str, gemm: str) -> dict:
     from epserve.arrays import BF16
     from epserve.check import fp8_reference as f8
     from epserve.check.reference import rel_error, silu
-    from epserve.ffn import fp8, gemm, gemm_fp8
+    from epserve.ffn import fp8, gemm_fp8
+    from epserve.ffn.gemm import run as run_specs
     from epserve.runtime import kernels
 
     knobs, expect = PROBES[name]
@@ -151,13 +152,13 @@ def run_one(name: str, gemm: str) -> dict:
         cupy.cuda.Device().synchronize()
         if gemm == "2":
             out = cupy.full((M + 7, N), np.nan, BF16)
-            gemm.run(gemm_fp8._specs(variant, a_q, a_s, b_q, b_s, E * b_rows, out, None, offsets, E, N, K,
+            run_specs(gemm_fp8._specs(variant, a_q, a_s, b_q, b_s, E * b_rows, out, None, offsets, E, N, K,
                                       gemm_fp8._NO_PEERS, 0))
             out_s = None
         else:
             out = cupy.full((M + 5, N), 0x7F, np.uint8)  # e4m3 NaN
             out_s = cupy.full((N // 128, f8.scale_ld(M + 5)), np.nan, np.float32)
-            gemm.run(gemm_fp8._specs(variant, a_q, a_s, b_q, b_s, E * b_rows, out, out_s, offsets, E, N, K,
+            run_specs(gemm_fp8._specs(variant, a_q, a_s, b_q, b_s, E * b_rows, out, out_s, offsets, E, N, K,
                                       gemm_fp8._NO_PEERS, 0))
         cupy.cuda.Device().synchronize()
     except Exception as e:  # a CUDA error: the kernel faulted (or did not build)
