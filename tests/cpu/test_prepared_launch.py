@@ -112,3 +112,24 @@ def test_sequence_prepares_once_per_key_and_rewrites_what_changed(launches, monk
     seq.prepared = False  # every spec through the kernel's own call
     seq.run(7, specs(FakeArray(50)), stream=1)
     assert len(a.calls) == 1 and len(b.calls) == 1 and b.calls[0][3] == 128
+
+
+def test_arguments_with_the_same_bytes_are_not_rewritten_but_new_values_are(launches, monkeypatch):
+    rewritten = []
+    real_set = launch.PreparedLaunch.set
+
+    def counting_set(self, index, value):
+        rewritten.append(index)
+        real_set(self, index, value)
+
+    seq = launch.LaunchSequence()
+    k = FakeKernel(1)
+    seq.run(0, [(k, (1,), (32,), (FakeArray(10), i32(5), u64(7)), 0)], stream=1)
+    monkeypatch.setattr(launch.PreparedLaunch, "set", counting_set)
+    seq.run(0, [(k, (1,), (32,), (FakeArray(10), i32(5), u64(7)), 0)], stream=1)  # equal bytes, new objects
+    assert rewritten == []  # a new view of the same buffer is the same pointer
+    seq.run(0, [(k, (1,), (32,), (FakeArray(11), i32(6), u64(7)), 0)], stream=1)
+    assert rewritten == [0, 1]
+    params = launches[-1][1]
+    assert read(params, 0, 8) == (11).to_bytes(8, "little")
+    assert read(params, 1, 4) == (6).to_bytes(4, "little") and read(params, 2, 8) == (7).to_bytes(8, "little")
