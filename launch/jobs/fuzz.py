@@ -179,6 +179,13 @@ def fuzz(args) -> int:
         # Every rank learns every rank's outcome, so all take the same next step together.
         outcomes = comm.allgather({"failures": failures, "raised": error is not None,
                                    "foreign": error is not None and not isinstance(error, EPServeError)})
+        if not all(isinstance(o, dict) and "failures" in o for o in outcomes):
+            # Another rank answered a different collective (it left the case's calls at
+            # another point): the ranks are out of step, and every later case would be too.
+            wrong += 1
+            fatal = f"case {i}: the ranks fell out of step (replay: {replay}); stopped after {ran} cases"
+            print(f"# fuzz: rank {rank}: {fatal}", file=sys.stderr, flush=True)  # the report below may not finish
+            break
         if any(o["failures"] for o in outcomes):
             wrong += 1
             if rank == 0:
