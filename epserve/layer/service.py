@@ -35,6 +35,7 @@ from epserve.comm import mpi as ep_comm
 from epserve.comm.nccl import gpus_shared, make_nccl
 from epserve.comm.peers import PeerGroup
 from epserve.comm.signals import SignalBlock
+from epserve.comm.topology import gather_node_layout
 from epserve.config import MoEConfig, check_agreement
 from epserve.dispatch.device_plan import DevicePlan
 from epserve.dispatch.direct import DirectDispatcher, Dispatched
@@ -105,7 +106,8 @@ class EPService:
         and maps every peer's through CUDA IPC, and creates the NCCL communicator.
 
         Raises, on every rank alike: RankMismatchError when the ranks' configs differ or
-        world_size is not comm's size (before any CUDA call); RankFailedError naming each
+        world_size is not comm's size (before any CUDA call); ConfigError when the ranks span
+        more than one node (epserve/comm/topology.py), also before any CUDA call; RankFailedError naming each
         rank that has no usable GPU or failed to allocate or map a buffer. MPI must be
         running: started without mpirun/mpiexec, the communicator has one rank.
         """
@@ -115,6 +117,11 @@ class EPService:
         self.comm = ep_comm.world(comm)
         self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
         check_agreement(config, self.comm)  # needs no GPU: a mismatch is reported before any CUDA call
+        self.nodes = gather_node_layout(self.comm)  # every rank computes it alike, and raises alike
+        if self.nodes.nodes > 1:
+            raise ConfigError(f"the {self.world} ranks span {self.nodes.nodes} nodes of {self.nodes.ranks_per_node} "
+                              "(host names, or EPSERVE_RANKS_PER_NODE): epserve's peers reach each other by CUDA "
+                              "IPC, inside one node only; rows for another node (over NCCL) are not built yet")
         self.device = ep_comm.select_device(self.comm, device)
         self._closed = False
         self.group = PeerGroup(self.comm)

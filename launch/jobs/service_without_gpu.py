@@ -1,12 +1,15 @@
 """EPService on ranks that have no GPU (CI), up to the point where one is needed:
 
-    python launch/run.py -n 2 -- python -m mpi4py launch/jobs/service_without_gpu.py {agree|mismatch}
+    python launch/run.py -n 2 -- python -m mpi4py launch/jobs/service_without_gpu.py {agree|mismatch|two-nodes}
 
 agree: every rank builds the same MoEConfig; EPService must fail on every rank at device
 selection with RankFailedError saying there is no GPU. mismatch: rank 1's config differs;
-every rank must raise RankMismatchError naming the field, before any CUDA call. Each rank
-prints one line `rank R: <ExceptionClass>: <message>`."""
+every rank must raise RankMismatchError naming the field, before any CUDA call. two-nodes:
+EPSERVE_RANKS_PER_NODE=1 makes each rank a node of its own; every rank must raise ConfigError
+(rows for another node are not built), before any CUDA call. Each rank prints one line
+`rank R: <ExceptionClass>: <message>`."""
 
+import os
 import sys
 
 from epserve import EPService, MoEConfig
@@ -17,6 +20,8 @@ from epserve.errors import EPServeError
 def main(mode: str) -> int:
     comm = world()
     rank = comm.Get_rank()
+    if mode == "two-nodes":
+        os.environ["EPSERVE_RANKS_PER_NODE"] = "1"
     hidden = 512 if mode == "mismatch" and rank == 1 else 256
     cfg = MoEConfig(num_experts=8, top_k=2, hidden=hidden, intermediate=128, max_tokens_per_rank=64,
                     world_size=comm.Get_size())
