@@ -7,6 +7,7 @@ import functools
 
 import cupy
 import numpy as np
+from cupy_backends.cuda.api import driver as _driver
 
 from epserve.runtime.kernel_structs import u64
 
@@ -55,6 +56,7 @@ class PreparedLaunch:
         self._shared_mem = int(shared_mem)
         self._pointers = np.zeros(len(args), np.uint64)  # the pointer arguments' values
         self._params = np.zeros(len(args), np.uintp)      # the address of each argument's bytes
+        self._params_address = self._params.ctypes.data
         self._kept = [None] * len(args)                   # by-value arguments, alive while used
         for index, value in enumerate(args):
             self.set(index, value)
@@ -81,11 +83,10 @@ class PreparedLaunch:
 
     def __call__(self, stream: int | None = None) -> None:
         """Launch on `stream` (a stream handle; the current CuPy stream when None)."""
-        from cupy_backends.cuda.api import driver
-
         if stream is None:
             stream = cupy.cuda.get_current_stream().ptr
-        driver.launchKernel(self._function, *self._dims, self._shared_mem, stream, self._params.ctypes.data, 0)
+        # Looked up on the module at each call (not bound at import), so tests can record it.
+        _driver.launchKernel(self._function, *self._dims, self._shared_mem, stream, self._params_address, 0)
 
 
 def _same_bytes(old, new) -> bool:
