@@ -2,6 +2,9 @@
 //  * rows, 1 x 128 (activations): a warp per (row, 128-column block), 4 values a lane;
 //    scales[kb, m] k-block-major, one row of `scale_ld` floats per k-block, because the FP8
 //    GEMM's producer loads a tile's 128 row scales of one k-block as one TMA box;
+//  * packed rows, 1 x 128 (the FP8 dispatch): each row's e4m3 values, then its scales, in
+//    one row of row_bytes, so the dispatch moves a token's values and scales as one row;
+//    unpack_row_scales turns the received rows' scales into the k-block-major layout above;
 //  * blocks, 128 x 128 (weights, prepared once): a CTA per block, 16 rows a warp;
 //    scales[row block, column block] row-major, which for w [E, N, K] is [E, N/128, K/128].
 // The GEMM 1 epilogue quantizes its SwiGLU output with the same functions, so this kernel
@@ -45,6 +48,42 @@ extern "C" __global__ void epserve_quantize_rows_fp8(const bf16_t* __restrict__ 
     const float amax = warp_max(fmaxf(bf16x2_amax(v.x), bf16x2_amax(v.y)));
     *reinterpret_cast<uint32_t*>(q + at) = quantize_bf16x4(v, fp8_inv_scale(amax));
     if (lane == 0) scales[kb * scale_ld + m] = fp8_scale(amax);
+  }
+}
+
+// x [rows, cols] bf16 -> packed [rows, row_bytes] bytes: row m's e4m3 values in bytes
+// [0, cols), its cols / 128 fp32 scales from byte cols on (row_bytes >= cols + cols / 32, a
+// multiple of 16). The values and scales are those of epserve_quantize_rows_fp8, bit for bit.
+extern "C" __global__ void epserve_quantize_rows_packed_fp8(const bf16_t* __restrict__ x, long long rows, int cols,
+                                                            unsigned char* __restrict__ packed, long long row_bytes) {
+  const int lane = threadIdx.x % 32;
+  const long long warps = static_cast<long long>(gridDim.x) * blockDim.x / 32;
+  const long long blocks = rows * (cols / 128);
+  for (long long b = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; b < blocks; b += warps) {
+    const long long m = b / (cols / 128), kb = b - m * (cols / 128);
+    const uint2 v = *reinterpret_cast<const uint2*>(x + m * cols + kb * 128 + lane * 4);
+    const float amax = warp_max(fmaxf(bf16x2_amax(v.x), bf16x2_amax(v.y)));
+    unsigned char* row = packed + m * row_bytes;
+    *reinterpret_cast<uint32_t*>(row + kb * 128 + lane * 4) = quantize_bf16x4(v, fp8_inv_scale(amax));
+    if (lane == 0) reinterpret_cast<float*>(row + cols)[kb] = fp8_scale(amax);
+  }
+}
+
+// The scales of packed rows (as epserve_quantize_rows_packed_fp8 writes them, here after the
+// dispatch moved them) -> scales [cols / 128, scale_ld], the layout the FP8 GEMM reads A's
+// scales in. row_count, when not null, holds the rows there are (expert_offsets[E] of the
+// dispatch): only min(rows, *row_count) are read.
+extern "C" __global__ void epserve_unpack_row_scales_fp8(const unsigned char* __restrict__ packed, long long rows,
+                                                         int cols, long long row_bytes, float* __restrict__ scales,
+                                                         long long scale_ld, const int* __restrict__ row_count) {
+  if (row_count != nullptr) rows = min(rows, static_cast<long long>(max(*row_count, 0)));
+  const int k_blocks = cols / 128;
+  const long long n = rows * k_blocks;
+  // Element i is row i % rows of k-block i / rows: neighbouring threads write neighbouring scales.
+  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const long long kb = i / rows, m = i - kb * rows;
+    scales[kb * scale_ld + m] = reinterpret_cast<const float*>(packed + m * row_bytes + cols)[kb];
   }
 }
 

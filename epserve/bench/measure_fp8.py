@@ -25,9 +25,21 @@ import numpy as np
 from epserve.arrays import BF16
 from epserve.bench import arithmetic
 from epserve.bench.measure import PathResult, _busiest_rank, bitwise_wrong, dispatch_work, time_paths
+from epserve.dispatch.host import Dispatcher
 from epserve.ffn import fp8_stage, gemm
 
 PATHS = ("gemm1", "gemm2", "fused", "unfused", "dispatch-direct", "layer-fused", "layer-unfused")
+
+
+def _bf16_dispatcher(svc) -> Dispatcher:
+    """A host-planned bf16 dispatcher beside the service's FP8 one, made once per service
+    (collective: it allocates symmetric buffers)."""
+    d = getattr(svc, "_bench_bf16_dispatcher", None)
+    if d is None:
+        c = svc.config
+        d = svc._bench_bf16_dispatcher = Dispatcher(svc.group, c.hidden, c.max_tokens_per_rank * c.top_k,
+                                                    svc.transport, svc.nccl, BF16)
+    return d
 
 
 def measure_point_fp8(svc, w13, w2, fp8w, topk_all, seed: int, warmup: int, iters: int):
@@ -74,9 +86,12 @@ def measure_point_fp8(svc, w13, w2, fp8w, topk_all, seed: int, warmup: int, iter
     samples, calls = time_paths(comm, runs, PATHS, warmup, iters)
     svc.check()
 
-    # The bf16 layer on the same dispatched rows: bf16 GEMM 1 + SwiGLU, bf16 GEMM 2 with the peer sink.
+    # The bf16 layer on the same routing: the tokens' bf16 rows in the dispatch's order (the
+    # service dispatches packed FP8 rows, so a bf16 dispatcher of the bench's own brings them,
+    # planned on the host), bf16 GEMM 1 + SwiGLU, bf16 GEMM 2 with the peer sink.
+    rows_bf16 = _bf16_dispatcher(svc).dispatch(x, svc._host_plan(idx))
     act_bf16 = cupy.empty((M, I), BF16)
-    gemm.gemm1_swiglu(direct.rows, w13, act_bf16, direct.expert_offsets, e_loc, I, H)  # rows as dispatched
+    gemm.gemm1_swiglu(rows_bf16, w13, act_bf16, direct.expert_offsets, e_loc, I, H)
     comb.fused(act_bf16, w2, rows_src, idx, w, I, out=outs["bf16"])
     svc.check()
     diff = outs["layer-fused"].astype(np.float64) - outs["bf16"].astype(np.float64)
@@ -97,7 +112,7 @@ def measure_point_fp8(svc, w13, w2, fp8w, topk_all, seed: int, warmup: int, iter
         "gemm2": arithmetic.gemm2_work(counts, H, I),
         "fused": arithmetic.gemm2_combine_work(counts, H, I),
         "unfused": arithmetic.gemm2_combine_work(counts, H, I),
-        "dispatch-direct": dispatch_work(counts, H, dedup=True),
+        "dispatch-direct": dispatch_work(counts, fp8_stage.dispatch_width(H), dedup=True),  # packed FP8 rows
         "layer-fused": arithmetic.layer_work(counts, H, I, dedup_dispatch=True),
         "layer-unfused": arithmetic.layer_work(counts, H, I, dedup_dispatch=nccl_path is not None),
     }

@@ -86,10 +86,14 @@ class NcclDispatcher:
     Buffers are made on first use (fused-only services never pay for them)."""
 
     def __init__(self, nccl_comm, signals, *, rank: int, world: int, num_experts: int, top_k: int, hidden: int,
-                 max_tokens: int, max_recv_rows: int, dtype):
+                 max_tokens: int, max_recv_rows: int, dtype, combine_hidden: int | None = None):
+        """hidden: the width of the rows the dispatch moves (bf16 elements); combine_hidden:
+        that of GEMM 2's rows the combine brings home (default hidden; FP8 experts dispatch
+        packed rows of another width)."""
         self.nccl, self.signals = nccl_comm, signals
         self.rank, self.world = rank, world
         self.E, self.k, self.H, self.max_tokens = num_experts, top_k, hidden, max_tokens
+        self.combine_H = hidden if combine_hidden is None else combine_hidden
         self.e_loc = num_experts // world
         self.max_recv_rows = max_recv_rows
         self.dtype = dtype
@@ -144,8 +148,8 @@ class NcclDispatcher:
             return
         self._setup()
         rows = max(1, self.world - 1) * self.combine_cap
-        self._send_c = cupy.empty((rows, self.H), self.dtype)
-        self._recv_c = cupy.empty((rows, self.H), self.dtype)
+        self._send_c = cupy.empty((rows, self.combine_H), self.dtype)
+        self._recv_c = cupy.empty((rows, self.combine_H), self.dtype)
         mod = kernels.module("dispatch")
         self._cpack = mod.get_function("epserve_nccl_combine_pack")
         self._cunpack = mod.get_function("epserve_nccl_combine_unpack")
@@ -248,11 +252,13 @@ class NcclDispatcher:
         status = self.status
         if C is not None:
             self._cpack(self._cpack_grid, (MOVE_THREADS,), (C, self.expert_offsets, i32(self.e_loc), self.src_info,
-                                                            self.ret_idx, self._send_c, recv, i32(self.H), i32(self.k),
+                                                            self.ret_idx, self._send_c, recv, i32(self.combine_H),
+                                                            i32(self.k),
                                                             i32(self.rank), status))
         if self.world > 1:
-            self._exchange(((self._send_c, self._recv_c, self.combine_cap * self.H * 2, False),))
+            self._exchange(((self._send_c, self._recv_c, self.combine_cap * self.combine_H * 2, False),))
         slots = T * self.k
         if C is not None and slots:
             grid = (max(1, min(self._sms * 4, (slots + 7) // 8)),)
-            self._cunpack(grid, (MOVE_THREADS,), (self._recv_c, self.home_idx, i32(slots), i32(self.H), recv, status))
+            self._cunpack(grid, (MOVE_THREADS,), (self._recv_c, self.home_idx, i32(slots), i32(self.combine_H), recv,
+                                                  status))

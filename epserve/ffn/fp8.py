@@ -122,6 +122,48 @@ def quantize_rows_spec(x, q, scales, rows: int, row_count=None) -> tuple:
     return (fn, (grid,), (256,), (x, _i64(rows), i32(K), q, scales, _i64(scales.shape[1]), pointer(row_count)), 0)
 
 
+def packed_row_bytes(hidden: int) -> int:
+    """Bytes of one packed FP8 row (the FP8 dispatch's unit): hidden e4m3 values, then one
+    fp32 scale per 128 of them, padded to 16 bytes (the dispatch moves 16-byte chunks, and
+    GEMM 1's tensor map needs a pitch of 16n bytes)."""
+    _require_blocks(BLOCK, hidden)
+    return hidden + -(-(hidden // BLOCK * 4) // 16) * 16
+
+
+def quantize_rows_packed_spec(x, packed, rows: int) -> tuple:
+    """x [>= rows, H] bf16 -> packed [>= rows, packed_row_bytes(H)] uint8: each row's e4m3
+    values then its scales (the values and scales of quantize_rows, bit for bit), as a spec
+    for a runtime.launch.LaunchSequence."""
+    K = x.shape[1]
+    _require_blocks(BLOCK, K)
+    _require_bf16(x)
+    row_bytes = packed_row_bytes(K)
+    if packed.dtype != np.uint8 or packed.shape[1] != row_bytes or packed.shape[0] < rows \
+            or not packed.flags.c_contiguous:
+        raise ValueError(f"packed must be C-contiguous uint8 [>= {rows}, {row_bytes}], got {packed.dtype} "
+                         f"{packed.shape}")
+    fn = kernels.function("quantize_fp8", "epserve_quantize_rows_packed_fp8")
+    warps = max(1, rows * (K // BLOCK))
+    grid = max(1, min((warps + 7) // 8, sm_count(cupy.cuda.runtime.getDevice()) * 16))
+    return (fn, (grid,), (256,), (x, _i64(rows), i32(K), packed, _i64(row_bytes)), 0)
+
+
+def unpack_row_scales_spec(packed, hidden: int, scales, rows: int, row_count=None) -> tuple:
+    """The scales of packed rows [>= rows, packed_row_bytes(hidden)] (uint8) into scales
+    [hidden / 128, ld] (k-block-major, ld >= rows), for the first rows, or only the first
+    row_count[0] of them (a device int32, e.g. the last of expert_offsets)."""
+    row_bytes = packed_row_bytes(hidden)
+    if packed.dtype != np.uint8 or packed.shape[1] != row_bytes or packed.shape[0] < rows:
+        raise ValueError(f"packed must be uint8 [>= {rows}, {row_bytes}], got {packed.dtype} {packed.shape}")
+    if scales.shape[0] != hidden // BLOCK or scales.shape[1] < rows or scales.shape[1] % 4:
+        raise ValueError(f"scales {scales.shape} cannot hold [{hidden // BLOCK}, >= {rows}] with a pitch of 4n floats")
+    fn = kernels.function("quantize_fp8", "epserve_unpack_row_scales_fp8")
+    n = max(1, rows * (hidden // BLOCK))
+    grid = max(1, min((n + 255) // 256, sm_count(cupy.cuda.runtime.getDevice()) * 8))
+    return (fn, (grid,), (256,), (packed, _i64(rows), i32(hidden), _i64(row_bytes), scales, _i64(scales.shape[1]),
+                                  pointer(row_count)), 0)
+
+
 @functools.lru_cache(maxsize=1024)
 def _i64(value: int):
     return launch_arg(np.full(1, value, np.int64))

@@ -1,7 +1,10 @@
-"""The FP8 expert FFN as the service runs it (MoEConfig.expert_dtype "fp8", issue 16): after
-the bf16 dispatch, the received rows are quantized to e4m3 with 1 x 128 scales, GEMM 1 runs
-on FP8 with SwiGLU and act's quantization in its epilogue, and GEMM 2 on FP8 hands bf16 rows
-to the sink, exactly as the bf16 GEMM 2 does, so the combine is unchanged.
+"""The FP8 expert FFN as the service runs it (MoEConfig.expert_dtype "fp8", issue 16): each
+rank quantizes its tokens to e4m3 with 1 x 128 scales before the dispatch, into packed rows
+(the values, then the scales: fp8.packed_row_bytes(H) bytes), which the dispatch moves as it
+moves bf16 rows, at about half the bytes. On the receiving side the scales are unpacked into
+the layout the GEMM reads, GEMM 1 reads the values in place (a tensor map with the packed
+pitch), runs on FP8 with SwiGLU and act's quantization in its epilogue, and GEMM 2 on FP8
+hands bf16 rows to the sink, exactly as the bf16 GEMM 2 does, so the combine is unchanged.
 
 Every buffer is made once, at capacity (MoEConfig.recv_rows_capacity rows), and the row
 count stays on the device: the quantizer reads it from expert_offsets[E_loc], the GEMMs from
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
-from epserve.arrays import checked_array
+from epserve.arrays import BF16, checked_array
 from epserve.check.fp8_reference import BLOCK, scale_ld
 from epserve.errors import ConfigError
 from epserve.ffn import fp8, gemm, gemm_fp8
@@ -35,15 +38,38 @@ class FP8Act:
 
 
 class FP8Buffers:
-    """The FP8 FFN's operands at capacity: the quantized received rows and their scales, and
-    GEMM 1's quantized act and its scales."""
+    """The FP8 FFN's operands at capacity: this rank's tokens quantized into packed rows (for
+    the dispatch), the received rows' scales unpacked, and GEMM 1's quantized act and its
+    scales."""
 
-    def __init__(self, capacity: int, hidden: int, intermediate: int):
+    def __init__(self, capacity: int, hidden: int, intermediate: int, max_tokens: int = 0):
         ld = scale_ld(capacity)
-        self.rows_q = cupy.zeros((capacity, hidden), np.uint8)
+        self.hidden = hidden
+        self.x_packed = cupy.zeros((max_tokens, fp8.packed_row_bytes(hidden)), np.uint8)
         self.rows_scales = cupy.zeros((hidden // BLOCK, ld), np.float32)
         self.act = FP8Act(cupy.zeros((capacity, intermediate), np.uint8),
                           cupy.zeros((intermediate // BLOCK, ld), np.float32))
+
+
+def dispatch_width(hidden: int) -> int:
+    """The width, in bf16 elements, of the rows the FP8 dispatch moves: a packed row's bytes / 2
+    (the dispatchers move rows as 16-byte chunks, whatever they hold)."""
+    return fp8.packed_row_bytes(hidden) // 2
+
+
+def packed_rows(rows) -> cupy.ndarray:
+    """Dispatched rows (bf16-typed [M, dispatch_width(H)]) as the bytes they hold: uint8 [M, packed_row_bytes(H)]."""
+    return rows.view(np.uint8)
+
+
+def quantize_tokens_spec(buffers: FP8Buffers, x) -> tuple:
+    """This rank's tokens x [T, H] bf16 into buffers.x_packed[:T] (one launch)."""
+    return fp8.quantize_rows_packed_spec(x, buffers.x_packed, x.shape[0])
+
+
+def tokens_to_dispatch(buffers: FP8Buffers, x) -> cupy.ndarray:
+    """The packed rows of x, as the dispatchers take rows (bf16-typed [T, dispatch_width(H)])."""
+    return buffers.x_packed[:x.shape[0]].view(BF16)
 
 
 def checked_weights(weights, w2, experts: int, hidden: int, intermediate: int) -> FP8Weights:
@@ -64,14 +90,17 @@ def checked_weights(weights, w2, experts: int, hidden: int, intermediate: int) -
 
 def gemm1_specs(buffers: FP8Buffers, rows, expert_offsets, weights: FP8Weights, experts: int, intermediate: int,
                 hidden: int) -> list:
-    """The received rows (bf16 [M, H], M at most the capacity) quantized 1 x 128, then GEMM 1
-    + SwiGLU + act's quantization into buffers.act: two launches. The quantizer stops at the
-    call's row count, read on the device (expert_offsets[experts]), so rows may be the
-    dispatch's whole capacity-sized buffer."""
+    """The received packed rows (bf16-typed [M, dispatch_width(H)], M at most the capacity):
+    their scales unpacked, then GEMM 1 + SwiGLU + act's quantization into buffers.act, reading
+    the e4m3 values in place: two launches. The unpacking stops at the call's row count, read
+    on the device (expert_offsets[experts]), so rows may be the dispatch's whole
+    capacity-sized buffer."""
     b = buffers
     count = expert_offsets[experts:]  # a view: the kernel reads its first int
-    return ([fp8.quantize_rows_spec(rows, b.rows_q, b.rows_scales, rows.shape[0], count)]
-            + gemm_fp8.gemm1_swiglu_fp8_specs(b.rows_q, b.rows_scales, weights.w13, weights.w13_scales, b.act.q,
+    packed = packed_rows(rows)
+    values = packed[:, :hidden]  # the e4m3 values, at the packed rows' pitch
+    return ([fp8.unpack_row_scales_spec(packed, hidden, b.rows_scales, rows.shape[0], count)]
+            + gemm_fp8.gemm1_swiglu_fp8_specs(values, b.rows_scales, weights.w13, weights.w13_scales, b.act.q,
                                               b.act.scales, expert_offsets, experts, intermediate, hidden))
 
 

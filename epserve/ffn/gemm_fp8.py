@@ -71,6 +71,8 @@ def _specs(variant: str, a, a_scales, b, b_scales, b_rows: int, C, c_scales, exp
            N: int, K: int, cfg, gate: int) -> list:
     assert N % BLOCK == 0 and K % BLOCK == 0 and N > 0 and K > 0, (N, K)
     assert a.dtype == np.uint8 and b.dtype == np.uint8 and a.shape[1] == K, (a.dtype, b.dtype, a.shape, K)
+    # A may be a view of wider rows (the FP8 dispatch's packed rows: values, then scales).
+    assert a.strides[1] == 1 and a.strides[0] >= K and a.strides[0] % 16 == 0, a.strides
     assert a_scales.dtype == np.float32 and a_scales.shape[0] == K // BLOCK and a_scales.shape[1] % 4 == 0, \
         a_scales.shape
     M = a.shape[0]
@@ -79,7 +81,7 @@ def _specs(variant: str, a, a_scales, b, b_scales, b_rows: int, C, c_scales, exp
         return []  # no rows, no tiles (and a tensor map cannot have an empty dimension)
     device = cupy.cuda.runtime.getDevice()
     fn, smem, threads, grid, b_box, sa_box = _kernel(variant, device)
-    map_a = _fp8_map(a.data.ptr, M, K, 64)
+    map_a = _fp8_map(a.data.ptr, M, K, 64, a.strides[0])
     map_sa = _scales_map(a_scales.data.ptr, K // BLOCK, M, a_scales.shape[1], sa_box)
     map_b = _fp8_map(b.data.ptr, b_rows, K, b_box)
     counter = _tile_counter(device, cupy.cuda.get_current_stream().ptr)
@@ -102,9 +104,9 @@ def _kernel(variant: str, device: int):
 
 
 @functools.lru_cache(maxsize=256)
-def _fp8_map(ptr: int, rows: int, cols: int, box_rows: int):
+def _fp8_map(ptr: int, rows: int, cols: int, box_rows: int, pitch: int | None = None):
     """Tensor maps are pure functions of these (see epserve.ffn.gemm._rows_map): made once per buffer."""
-    return launch_arg(tma.fp8_rows_map(ptr, rows, cols, box_rows))
+    return launch_arg(tma.fp8_rows_map(ptr, rows, cols, box_rows, pitch))
 
 
 @functools.lru_cache(maxsize=256)

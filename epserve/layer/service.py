@@ -130,23 +130,29 @@ class EPService:
             self.transport = "ipc" if self.shared_gpu else "nccl"
         self.nccl = None if self.shared_gpu else make_nccl(self.comm)
         c = config
+        self.fp8 = c.expert_dtype == "fp8"
+        # The rows the dispatch moves: bf16 tokens, or with FP8 experts packed e4m3 rows (values
+        # and scales, epserve/ffn/fp8_stage.py), which the dispatchers carry as rows of this width.
+        width = fp8_stage.dispatch_width(c.hidden) if self.fp8 else c.hidden
         self.signals = SignalBlock.create(self.group)
         self.direct = DirectDispatcher(self.group, self.signals, num_experts=c.num_experts, top_k=c.top_k,
-                                       hidden=c.hidden, max_tokens=c.max_tokens_per_rank,
+                                       hidden=width, max_tokens=c.max_tokens_per_rank,
                                        max_recv_rows=c.recv_rows_capacity, wait_timeout_s=c.wait_timeout_s, dtype=BF16)
         # The NCCL transport planned on the device; its buffers are made on first use.
         self.nccl_path = None if self.shared_gpu else NcclDispatcher(
             self.nccl, self.signals, rank=self.rank, world=self.world, num_experts=c.num_experts, top_k=c.top_k,
-            hidden=c.hidden, max_tokens=c.max_tokens_per_rank, max_recv_rows=c.recv_rows_capacity, dtype=BF16)
-        self.baseline = Dispatcher(self.group, c.hidden, c.max_tokens_per_rank * c.top_k, self.transport, self.nccl,
+            hidden=width, max_tokens=c.max_tokens_per_rank, max_recv_rows=c.recv_rows_capacity, dtype=BF16,
+            combine_hidden=c.hidden)
+        self.baseline = Dispatcher(self.group, width, c.max_tokens_per_rank * c.top_k, self.transport, self.nccl,
                                    BF16)
         self.combiner = Combiner(self.group, self.signals, num_experts=c.num_experts, top_k=c.top_k, hidden=c.hidden,
                                  max_tokens=c.max_tokens_per_rank, wait_timeout_s=c.wait_timeout_s,
                                  transport=self.transport, nccl_comm=self.nccl, dtype=BF16)
         # GEMM 1's output at capacity, once: forward allocates nothing but a default out. FP8
         # experts (epserve/ffn/fp8_stage.py): the quantized received rows and act instead.
-        self.fp8 = c.expert_dtype == "fp8"
-        self._fp8 = FP8Buffers(c.recv_rows_capacity, c.hidden, c.intermediate) if self.fp8 else None
+        self._fp8 = FP8Buffers(c.recv_rows_capacity, c.hidden, c.intermediate, c.max_tokens_per_rank) \
+            if self.fp8 else None
+        self._quantize = LaunchSequence()  # FP8 experts: the tokens' quantization before the dispatch
         self._act = self._fp8.act if self.fp8 else cupy.zeros((c.recv_rows_capacity, c.intermediate), BF16)
         self._C = None  # GEMM 2's output for the unfused IPC combine, made on first use
         self._gemm1 = LaunchSequence()  # forward's GEMM 1, prepared once per dispatch path
@@ -174,6 +180,14 @@ class EPService:
         w2 = checked_array(w2, "w2", "bf16", (c.experts_per_rank, c.hidden, c.intermediate))
         return w13, w2
 
+    def _rows_to_dispatch(self, x):
+        """What the dispatch moves for tokens x (checked): x itself, or with FP8 experts x
+        quantized into packed rows (one launch, into a buffer made once)."""
+        if not self.fp8:
+            return x
+        self._quantize.run(x.shape[0], [fp8_stage.quantize_tokens_spec(self._fp8, x)])
+        return fp8_stage.tokens_to_dispatch(self._fp8, x)
+
     @staticmethod
     def _check_choice(what: str, value, allowed: tuple) -> None:
         if value not in allowed:
@@ -189,6 +203,11 @@ class EPService:
         MPI; epserve/dispatch/nccl.py); where ranks share a GPU, NCCL cannot run and the host-
         planned IPC pull stands in. All give bitwise identical rows, offsets and src_info.
 
+        With FP8 experts (MoEConfig.expert_dtype "fp8") the tokens are quantized first and the
+        rows are packed FP8 rows: bytes [0, H) the e4m3 values, then H / 128 fp32 scales
+        (epserve.ffn.fp8.packed_row_bytes(H) bytes a row, carried as bf16-typed rows of half
+        that width; `.view(numpy.uint8)` gives the bytes).
+
         A transport other than these raises ConfigError on the calling rank at once (the ranks
         cannot agree on a path they do not share); forward checks it on every rank together."""
         self._check_choice("dispatch transport", transport, DISPATCHES)
@@ -197,6 +216,8 @@ class EPService:
             x, topk_idx, topk_weights = self._tokens(x, topk_idx, topk_weights)
         except ConfigError as exc:
             error = exc
+        if error is None:
+            x = self._rows_to_dispatch(x)
         if transport == "direct":
             d = self.direct.dispatch(x, topk_idx, error)
             return DispatchResult(d.rows, d.expert_offsets, d.src_info, d.num_rows, topk_idx, topk_weights)
@@ -362,7 +383,7 @@ class EPService:
             raise exc
         c = self.config
         d = self.nccl_path if dispatch == "nccl" else self.direct
-        d.enqueue(x, topk_idx)
+        d.enqueue(self._rows_to_dispatch(x), topk_idx)
         if self.fp8:
             specs = fp8_stage.gemm1_specs(self._fp8, d.rows, d.expert_offsets, w13, c.experts_per_rank,
                                           c.intermediate, c.hidden)

@@ -17,10 +17,15 @@ def bf16_rows_map(ptr: int, rows: int, cols: int, box_rows: int, box_cols: int =
     return _map_2d("BFLOAT16", 2, ptr, rows, cols, cols * 2, box_rows, box_cols, swizzle_128b=True)
 
 
-def fp8_rows_map(ptr: int, rows: int, cols: int, box_rows: int) -> np.ndarray:
+def fp8_rows_map(ptr: int, rows: int, cols: int, box_rows: int, pitch: int | None = None) -> np.ndarray:
     """The same over a row-major 1-byte (e4m3) matrix [rows, cols]: boxes of box_rows x 128
-    bytes, 128-byte swizzle (one box row is one 128-wide FP8 k-block)."""
-    return _map_2d("UINT8", 1, ptr, rows, cols, cols, box_rows, 128, swizzle_128b=True)
+    bytes, 128-byte swizzle (one box row is one 128-wide FP8 k-block). pitch: bytes from one
+    row to the next (default cols; a multiple of 16, as TMA takes), for rows that carry more
+    than the matrix (the FP8 dispatch's packed rows)."""
+    pitch = cols if pitch is None else pitch
+    if pitch < cols or pitch % 16:
+        raise ValueError(f"an e4m3 map's pitch must be at least its {cols} columns and a multiple of 16, got {pitch}")
+    return _map_2d("UINT8", 1, ptr, rows, cols, pitch, box_rows, 128, swizzle_128b=True)
 
 
 def f32_rows_map(ptr: int, rows: int, cols: int, ld: int, box_cols: int) -> np.ndarray:

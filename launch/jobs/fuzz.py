@@ -31,8 +31,8 @@ import numpy as np
 from job_report import report  # a sibling of this script
 
 from epserve import EPService, quantize_weights
-from epserve.check.fuzz import WAIT_TIMEOUT_S, generate
 from epserve.check.fp8_layer_reference import quantized_weights, reference_layer_fp8
+from epserve.check.fuzz import WAIT_TIMEOUT_S, generate
 from epserve.check.reference import reference_layer, rel_error
 from epserve.check.testing import BF16, bf16_bits
 from epserve.comm import mpi as ep_comm

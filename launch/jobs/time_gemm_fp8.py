@@ -23,13 +23,13 @@ import argparse
 
 import cupy
 import numpy as np
+from time_gemm import dense, interleaved_ms, row, rows_per_expert  # launch/jobs/time_gemm.py
 
 from epserve.arrays import BF16
 from epserve.bench import arithmetic, presets
 from epserve.check.fp8_reference import scale_ld
 from epserve.ffn import fp8, gemm, gemm_fp8
 from epserve.runtime.kernel_structs import PEER_SEND_CONFIG
-from time_gemm import dense, interleaved_ms, row, rows_per_expert  # launch/jobs/time_gemm.py
 
 TARGET_TFLOPS = 1100
 

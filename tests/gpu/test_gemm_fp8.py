@@ -104,6 +104,45 @@ def test_quantize_rows_matches_numpy_bitwise(M, K):
     assert np.array_equal(_bits(q), want_q.view(np.uint8)) and np.array_equal(cupy.asnumpy(s), want_s)
 
 
+@pytest.mark.parametrize("M,K", [(1, 128), (37, 256), (515, 7168)])
+def test_packed_rows_hold_the_row_quantizers_bits_and_gemm1_reads_them_in_place(M, K):
+    """The FP8 dispatch's packed rows: their values and (unpacked) scales are quantize_rows'
+    bits, every byte of a row written, and GEMM 1 reading the values in place (a tensor map
+    at the packed pitch) gives the bits it gives from the separate arrays."""
+    import cupy
+
+    from epserve.ffn import fp8, gemm, gemm_fp8
+
+    rng = np.random.default_rng(M + K)
+    x = cupy.asarray((rng.standard_normal((M, K), np.float32) * rng.uniform(0.01, 30.0, (M, 1))).astype(BF16))
+    q, s = fp8.quantize_rows(x)
+    row_bytes = fp8.packed_row_bytes(K)
+    assert row_bytes % 16 == 0 and row_bytes >= K + K // 32
+    packed = cupy.full((M + 3, row_bytes), 0xEE, np.uint8)  # poison: rows past M must stay so
+    gemm.run([fp8.quantize_rows_packed_spec(x, packed, M)])
+    got = cupy.asnumpy(packed)
+    assert np.array_equal(got[:M, :K], cupy.asnumpy(q)), "packed values differ from quantize_rows'"
+    assert np.array_equal(got[:M, K:K + K // 32].view(np.float32).T, cupy.asnumpy(s)[:, :M])
+    assert (got[M:] == 0xEE).all(), "rows past M were written"
+    unpacked = cupy.full((K // 128, f8.scale_ld(M)), np.nan, np.float32)
+    count = cupy.asarray(np.array([M], np.int32))
+    gemm.run([fp8.unpack_row_scales_spec(packed, K, unpacked, M + 3, count)])  # stops at the count
+    assert np.array_equal(cupy.asnumpy(unpacked)[:, :M], cupy.asnumpy(s)[:, :M])
+
+    E, I = 2, 128
+    rows = [M // 2, M - M // 2]
+    w13 = cupy.asarray((rng.standard_normal((E, 2 * I, K), np.float32) / np.sqrt(K)).astype(BF16))
+    w_q, w_s = fp8.quantize_blocks(w13)
+    offsets = cupy.asarray(_offsets(rows))
+    outs = []
+    for a_values, a_scales in ((q, s), (packed[:, :K], unpacked)):
+        act = cupy.full((M + 3, I), E4M3_NAN, np.uint8)
+        act_s = cupy.zeros((I // 128, f8.scale_ld(M + 3)), np.float32)
+        gemm_fp8.gemm1_swiglu_fp8(a_values, a_scales, w_q, w_s, act, act_s, offsets, E, I, K)
+        outs.append((_bits(act)[:M], cupy.asnumpy(act_s)[:, :M]))
+    assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1])
+
+
 def test_quantize_weights_keeps_the_layouts():
     import cupy
 
