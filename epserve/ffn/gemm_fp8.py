@@ -71,14 +71,14 @@ def _specs(variant: str, a, a_scales, b, b_scales, b_rows: int, C, c_scales, exp
            N: int, K: int, cfg, gate: int) -> list:
     assert N % BLOCK == 0 and K % BLOCK == 0 and N > 0 and K > 0, (N, K)
     assert a.dtype == np.uint8 and b.dtype == np.uint8 and a.shape[1] == K, (a.dtype, b.dtype, a.shape, K)
-    # A may be a view of wider rows (the FP8 dispatch's packed rows: values, then scales).
-    assert a.strides[1] == 1 and a.strides[0] >= K and a.strides[0] % 16 == 0, a.strides
     assert a_scales.dtype == np.float32 and a_scales.shape[0] == K // BLOCK and a_scales.shape[1] % 4 == 0, \
         a_scales.shape
     M = a.shape[0]
     assert a_scales.shape[1] >= M and b.shape[-1] == K and b.size == b_rows * K, (a_scales.shape, M, b.shape, b_rows)
     if M == 0:
         return []  # no rows, no tiles (and a tensor map cannot have an empty dimension)
+    # A may be a view of wider rows (the FP8 dispatch's packed rows: values, then scales).
+    assert a.strides[1] == 1 and a.strides[0] >= K and a.strides[0] % 16 == 0, a.strides
     device = cupy.cuda.runtime.getDevice()
     fn, smem, threads, grid, b_box, sa_box = _kernel(variant, device)
     map_a = _fp8_map(a.data.ptr, M, K, 64, a.strides[0])

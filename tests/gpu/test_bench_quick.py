@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # dispatch, within bf16 tolerance for the cuBLAS library paths.
 CHECKED_PATHS = ("fused", "library", "dispatch-direct", "layer-fused", "layer-library")
 # The -fp8 presets (epserve/bench/measure_fp8.py) have no library baseline: no FP8 grouped GEMM
-# is reachable from CuPy. Their checked paths are epserve's own, bitwise against the unfused one.
-CHECKED_PATHS_FP8 = ("fused", "dispatch-direct", "layer-fused")
+# is reachable from CuPy. Their checked paths are epserve's own: fused and layer-fused bitwise
+# against the unfused ones, GEMM 1 against its own rerun.
+CHECKED_PATHS_FP8 = ("gemm1", "fused", "layer-fused")
 
 
 def checked_paths(preset: str) -> tuple:
@@ -41,7 +42,7 @@ def test_quick_bench_of_every_preset(tmp_path, share_gpu):
     run = json.loads((tmp_path / "bench.json").read_text())
     seen = {(r["preset"]["name"].split("/")[0], r["path"]) for r in run["rows"] if r["timing"] is not None}
     for name in PRESETS:
-        for path in ("unfused", "gemm2", *checked_paths(name)):
+        for path in ("unfused", "gemm2", "dispatch-direct", *checked_paths(name)):
             assert (name, path) in seen, (name, path)
         if not share_gpu and not name.endswith("-fp8"):  # the FP8 presets time epserve's paths only
             assert (name, "alltoall") in seen, name

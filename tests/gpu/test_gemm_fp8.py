@@ -124,10 +124,11 @@ def test_packed_rows_hold_the_row_quantizers_bits_and_gemm1_reads_them_in_place(
     assert np.array_equal(got[:M, :K], cupy.asnumpy(q)), "packed values differ from quantize_rows'"
     assert np.array_equal(got[:M, K:K + K // 32].view(np.float32).T, cupy.asnumpy(s)[:, :M])
     assert (got[M:] == 0xEE).all(), "rows past M were written"
-    unpacked = cupy.full((K // 128, f8.scale_ld(M)), np.nan, np.float32)
+    unpacked = cupy.full((K // 128, f8.scale_ld(M + 3)), np.nan, np.float32)
     count = cupy.asarray(np.array([M], np.int32))
     gemm.run([fp8.unpack_row_scales_spec(packed, K, unpacked, M + 3, count)])  # stops at the count
     assert np.array_equal(cupy.asnumpy(unpacked)[:, :M], cupy.asnumpy(s)[:, :M])
+    assert np.isnan(cupy.asnumpy(unpacked)[:, M:]).all(), "scales past the row count were written"
 
     E, I = 2, 128
     rows = [M // 2, M - M // 2]
