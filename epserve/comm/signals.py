@@ -101,6 +101,18 @@ class SignalBlock:
         if self._host[0] != 0:
             self._raise(rank, self._host.copy())
 
+    def raise_pending_or(self, rank: int, own_error: BaseException | None) -> None:
+        """raise_pending for a call this rank took part in with its own input rejected
+        (own_error) or not: the rank's own error wins over the call's record (which then only
+        says that this rank rejected its input); without one, the record is raised."""
+        try:
+            self.raise_pending(rank)
+        except EPServeError:
+            if own_error is None:
+                raise
+        if own_error is not None:
+            raise own_error
+
     def _raise(self, rank: int, record) -> None:
         code, peer, detail, _ = (int(v) for v in record)
         if code == 0:

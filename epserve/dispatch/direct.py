@@ -20,7 +20,6 @@ import numpy as np
 
 from epserve.comm import signals as sig
 from epserve.dispatch.route import Route
-from epserve.errors import EPServeError
 from epserve.runtime import kernels
 from epserve.runtime.kernel_structs import i32, launch_arg, pack_dispatch_config, u64
 from epserve.runtime.launch import LaunchSequence
@@ -175,12 +174,6 @@ class DirectDispatcher:
         offsets, src_info = self.expert_offsets.copy(), self.src_info.copy()
         host = np.frombuffer(self._pinned, np.int32, 1)
         self.expert_offsets[-1:].get(out=host, blocking=False)
-        try:
-            self.signals.raise_pending(self.rank)
-        except EPServeError:
-            if input_error is None:
-                raise
-        if input_error is not None:
-            raise input_error
+        self.signals.raise_pending_or(self.rank, input_error)
         M = int(host[0])
         return Dispatched(self.rows[:M], offsets, src_info[:M], M)

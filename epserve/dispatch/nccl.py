@@ -34,7 +34,6 @@ import numpy as np
 from epserve.comm import signals as sig
 from epserve.dispatch.direct import INPUT_REJECTED, MOVE_THREADS, Dispatched
 from epserve.dispatch.route import Route
-from epserve.errors import EPServeError
 from epserve.runtime import kernels
 from epserve.runtime.kernel_structs import i32, launch_arg, pack_dispatch_config, u64
 from epserve.runtime.launch import LaunchSequence
@@ -232,13 +231,7 @@ class NcclDispatcher:
     def dispatch(self, x, topk_idx, input_error: BaseException | None = None) -> Dispatched:
         """Dispatch and wait for it, raising as DirectDispatcher.dispatch does."""
         self.enqueue(x, topk_idx, rejected=input_error is not None)
-        try:
-            self.signals.raise_pending(self.rank)
-        except EPServeError:
-            if input_error is None:
-                raise
-        if input_error is not None:
-            raise input_error
+        self.signals.raise_pending_or(self.rank, input_error)
         M = self.rows_received()
         return Dispatched(self.rows[:M], self.expert_offsets.copy(), self.src_info[:M].copy(), M)
 

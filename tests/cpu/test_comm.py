@@ -354,3 +354,31 @@ def test_importing_comm_imports_neither_mpi_nor_cupy():
         [sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_a_rank_s_own_input_error_wins_over_the_call_record_and_without_one_the_record_is_raised():
+    pytest.importorskip("cupy")
+    from epserve.comm.signals import SignalBlock
+    from epserve.errors import ConfigError
+
+    record = RankFailedError("rank 0: stage dispatch-verdict: rank 0 rejected its input")
+    own = ConfigError("x must be bf16")
+
+    class Stub:
+        def __init__(self, pending):
+            self.pending = pending
+
+        def raise_pending(self, rank):
+            if self.pending is not None:
+                raise self.pending
+
+    raise_pending_or = SignalBlock.raise_pending_or
+    with pytest.raises(ConfigError) as got:
+        raise_pending_or(Stub(record), 0, own)  # the record only says this rank rejected its input
+    assert got.value is own
+    with pytest.raises(ConfigError):
+        raise_pending_or(Stub(None), 0, own)
+    with pytest.raises(RankFailedError) as got:
+        raise_pending_or(Stub(record), 0, None)
+    assert got.value is record
+    raise_pending_or(Stub(None), 0, None)  # nothing to raise
