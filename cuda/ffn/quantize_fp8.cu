@@ -30,13 +30,9 @@ __device__ __forceinline__ uint32_t quantize_bf16x4(uint2 v, float inv) {
 }  // namespace
 
 // x [rows, cols] bf16 -> q [rows, cols] e4m3, scales [cols / 128, scale_ld] (scale_ld >= rows).
-// row_count, when not null, holds the rows to quantize on the device (the service's buffers
-// are sized at capacity and the dispatch leaves the call's row count there, as
-// expert_offsets[E]): only min(rows, *row_count) rows are read and written.
 extern "C" __global__ void epserve_quantize_rows_fp8(const bf16_t* __restrict__ x, long long rows, int cols,
                                                      fp8_t* __restrict__ q, float* __restrict__ scales,
-                                                     long long scale_ld, const int* __restrict__ row_count) {
-  if (row_count != nullptr) rows = min(rows, static_cast<long long>(max(*row_count, 0)));
+                                                     long long scale_ld) {
   const int lane = threadIdx.x % 32;
   const long long warps = static_cast<long long>(gridDim.x) * blockDim.x / 32;
   const long long blocks = rows * (cols / 128);

@@ -131,16 +131,24 @@ def dispatch_work(counts, hidden: int, dedup: bool) -> arithmetic.Work:
     return arithmetic.Work(np.zeros(counts.world_size), hbm, arithmetic.dispatch_nvlink_bytes(counts, hidden, dedup))
 
 
+def point_inputs(svc, topk_all, seed: int):
+    """A point's inputs on this rank, the same for every preset's paths (bf16 and FP8): the
+    routing's counts, this rank's topk_idx, tokens x and router weights, drawn from `seed`."""
+    cfg, rank = svc.config, svc.rank
+    idx = cupy.asarray(topk_all[rank])
+    T = idx.shape[0]
+    rs = cupy.random.RandomState(seed + 1000 * rank)
+    x = rs.standard_normal((T, cfg.hidden), dtype=np.float32).astype(BF16)
+    w = rs.uniform(0.05, 1.0, (T, cfg.top_k), dtype=np.float32)
+    return arithmetic.count_routing(topk_all, cfg.num_experts), idx, x, w
+
+
 def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) -> list[PathResult]:
     """Every path at one point; collective (every rank calls it with the same routing)."""
     comm, rank, cfg = svc.comm, svc.rank, svc.config
     H, I, E = cfg.hidden, cfg.intermediate, cfg.num_experts
-    counts = arithmetic.count_routing(topk_all, E)
-    idx = cupy.asarray(topk_all[rank])
+    counts, idx, x, w = point_inputs(svc, topk_all, seed)
     T = idx.shape[0]
-    rs = cupy.random.RandomState(seed + 1000 * rank)
-    x = rs.standard_normal((T, H), dtype=np.float32).astype(BF16)
-    w = rs.uniform(0.05, 1.0, (T, cfg.top_k), dtype=np.float32)
 
     direct = svc.dispatch(x, idx, w, "direct")
     baseline = svc.dispatch(x, idx, w, "nccl")

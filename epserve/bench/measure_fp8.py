@@ -24,7 +24,7 @@ import numpy as np
 
 from epserve.arrays import BF16
 from epserve.bench import arithmetic
-from epserve.bench.measure import PathResult, _busiest_rank, bitwise_wrong, dispatch_work, time_paths
+from epserve.bench.measure import PathResult, _busiest_rank, bitwise_wrong, dispatch_work, point_inputs, time_paths
 from epserve.dispatch.host import Dispatcher
 from epserve.ffn import fp8_stage, gemm
 
@@ -46,14 +46,10 @@ def measure_point_fp8(svc, w13, w2, fp8w, topk_all, seed: int, warmup: int, iter
     """Every FP8 path at one point; collective. w13, w2: this rank's bf16 weights (for the
     error against the bf16 layer); fp8w: quantize_weights of them. Returns (results, the
     FP8 layer's relative error against the bf16 layer over every rank's tokens)."""
-    comm, rank, cfg = svc.comm, svc.rank, svc.config
-    H, I, E, e_loc = cfg.hidden, cfg.intermediate, cfg.num_experts, cfg.experts_per_rank
-    counts = arithmetic.count_routing(topk_all, E)
-    idx = cupy.asarray(topk_all[rank])
+    comm, cfg = svc.comm, svc.config
+    H, I, e_loc = cfg.hidden, cfg.intermediate, cfg.experts_per_rank
+    counts, idx, x, w = point_inputs(svc, topk_all, seed)
     T = idx.shape[0]
-    rs = cupy.random.RandomState(seed + 1000 * rank)
-    x = rs.standard_normal((T, H), dtype=np.float32).astype(BF16)
-    w = rs.uniform(0.05, 1.0, (T, cfg.top_k), dtype=np.float32)
 
     direct = svc.dispatch(x, idx, w, "direct")
     M = direct.num_rows
@@ -68,7 +64,8 @@ def measure_point_fp8(svc, w13, w2, fp8w, topk_all, seed: int, warmup: int, iter
     outs = {name: cupy.empty((T, H), BF16) for name in ("fused", "unfused", "layer-fused", "layer-unfused", "bf16")}
     nccl_path = svc.nccl_path
 
-    plan = rows_src if svc.transport == "ipc" else svc._host_plan(idx)  # the host plan, once (MPI)
+    host_plan = svc._host_plan(idx)  # once (MPI): the unfused baseline over NCCL and the bf16 rows use it
+    plan = rows_src if svc.transport == "ipc" else host_plan
 
     def unfused():
         gemm.run(fp8_stage.gemm2_specs("null", act, fp8w, C, direct.expert_offsets, e_loc, H, I))
@@ -89,7 +86,7 @@ def measure_point_fp8(svc, w13, w2, fp8w, topk_all, seed: int, warmup: int, iter
     # The bf16 layer on the same routing: the tokens' bf16 rows in the dispatch's order (the
     # service dispatches packed FP8 rows, so a bf16 dispatcher of the bench's own brings them,
     # planned on the host), bf16 GEMM 1 + SwiGLU, bf16 GEMM 2 with the peer sink.
-    rows_bf16 = _bf16_dispatcher(svc).dispatch(x, svc._host_plan(idx))
+    rows_bf16 = _bf16_dispatcher(svc).dispatch(x, host_plan)
     act_bf16 = cupy.empty((M, I), BF16)
     gemm.gemm1_swiglu(rows_bf16, w13, act_bf16, direct.expert_offsets, e_loc, I, H)
     comb.fused(act_bf16, w2, rows_src, idx, w, I, out=outs["bf16"])

@@ -104,11 +104,9 @@ def quantize_rows(x, q=None, scales=None, rows: int | None = None):
     return q, scales
 
 
-def quantize_rows_spec(x, q, scales, rows: int, row_count=None) -> tuple:
+def quantize_rows_spec(x, q, scales, rows: int) -> tuple:
     """quantize_rows' launch as a spec (kernel, grid, block, args, shared_mem) for a
-    runtime.launch.LaunchSequence: rows [0, rows) of x, or only the first row_count[0] of
-    them when row_count (a device int32 array, e.g. the last of expert_offsets) is given.
-    The grid is sized for `rows`; the kernel's warps stride over what is there."""
+    runtime.launch.LaunchSequence: rows [0, rows) of x."""
     K = x.shape[1]
     _require_blocks(BLOCK, K)
     _require_bf16(x)
@@ -119,7 +117,7 @@ def quantize_rows_spec(x, q, scales, rows: int, row_count=None) -> tuple:
     fn = kernels.function("quantize_fp8", "epserve_quantize_rows_fp8")
     warps = max(1, rows * (K // BLOCK))
     grid = max(1, min((warps + 7) // 8, sm_count(cupy.cuda.runtime.getDevice()) * 16))
-    return (fn, (grid,), (256,), (x, _i64(rows), i32(K), q, scales, _i64(scales.shape[1]), pointer(row_count)), 0)
+    return (fn, (grid,), (256,), (x, _i64(rows), i32(K), q, scales, _i64(scales.shape[1])), 0)
 
 
 def packed_row_bytes(hidden: int) -> int:

@@ -7,7 +7,7 @@ pitch), runs on FP8 with SwiGLU and act's quantization in its epilogue, and GEMM
 hands bf16 rows to the sink, exactly as the bf16 GEMM 2 does, so the combine is unchanged.
 
 Every buffer is made once, at capacity (MoEConfig.recv_rows_capacity rows), and the row
-count stays on the device: the quantizer reads it from expert_offsets[E_loc], the GEMMs from
+count stays on the device: the scale unpacking reads it from expert_offsets[E_loc], the GEMMs from
 expert_offsets as always. So a forward allocates nothing, its tensor maps are made once per
 buffer (epserve.ffn.gemm_fp8's caches) and it can be captured in a CUDA graph.
 

@@ -264,7 +264,7 @@ class EPService:
     def _expert_ffn(self, d: DispatchResult, w13, w2, sink, out, gate):
         c = self.config
         M, I, H, e_loc = d.num_rows, c.intermediate, c.hidden, c.experts_per_rank
-        if self.fp8:  # into the capacity buffers: the quantizer stops at the row count
+        if self.fp8:  # into the capacity buffers: the scale unpacking stops at the row count
             gemm.run(fp8_stage.gemm1_specs(self._fp8, d.rows, d.expert_offsets, w13, e_loc, I, H))
             act = self._fp8.act
         else:
