@@ -83,7 +83,16 @@ static_assert(kCluster == 1 || kCluster == 2, "clusters of one or two CTAs");
 constexpr bool kShareB = EPSERVE_GEMM_CLUSTER_SHARES_B != 0;
 static_assert(kSwapStep % 16 == 0 && 128 % kSwapStep == 0, "swapped widths: wgmma_m64nN.cuh has N = 16, 32, .., 128");
 static_assert(!(kSwiGLU && Sink::kEnabled), "GEMM 1 keeps act on this GPU: its sink is the null one");
-constexpr int kBM = 128, kBN = 256, kBK = 64;      // kBN: accumulator columns of a tile
+#ifndef EPSERVE_GEMM_BN
+#define EPSERVE_GEMM_BN 256  // accumulator columns of a tile: 256, or 128 for shapes with few tiles
+#endif
+constexpr int kBM = 128, kBN = EPSERVE_GEMM_BN, kBK = 64;  // kBN: accumulator columns of a tile
+static_assert(kBN == 256 || kBN == 128, "tiles 128 x 256 or 128 x 128");
+// The 128-wide tile is for GEMM 2 where few tiles make few waves (notes/gemm.md, mixtral): the
+// swapped tails and the CTA pairs are built around 256 weight rows a stage, SwiGLU around its
+// gate and up halves of 128.
+static_assert(kBN == 256 || (!kSwapTails && kCluster == 1 && !kSwiGLU), "a 128-wide tile: GEMM 2, no knobs");
+constexpr int kAcc = kBN / 2;  // fp32 accumulators per consumer thread (m64 x kBN per warpgroup)
 constexpr int kOutCols = kSwiGLU ? kBN / 2 : kBN;  // output columns of a tile
 constexpr int kConsumers = 2, kConsumerThreads = 128 * kConsumers;
 constexpr int kThreads = 128 * (kConsumers + 1);
@@ -367,7 +376,7 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
         phase ^= 1;
       }
     };
-    float acc[128];
+    float acc[kAcc];
     bool tile_pending = false;  // the writer warps still hold the shared output tile
     for (;;) {
       // The tile's first stage (the mainloop's wait on it returns at once). The follower's
@@ -432,11 +441,11 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
       };
       if (swap_n == 0 && computes) {
 #pragma unroll
-        for (int i = 0; i < 128; ++i) acc[i] = 0.f;  // ends the previous tile's live range; the MMA overwrites it
+        for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;  // ends the previous tile's live range; the MMA overwrites it
         mainloop([&](const unsigned char* a, const unsigned char* b, int kt) {
 #pragma unroll
           for (int kk = 0; kk < kBK / 16; ++kk)
-            wgmma_m64nNk16<256>(acc, smem_desc_sw128(a + warpgroup * kHalfA + kk * 32), smem_desc_sw128(b + kk * 32),
+            wgmma_m64nNk16<kBN>(acc, smem_desc_sw128(a + warpgroup * kHalfA + kk * 32), smem_desc_sw128(b + kk * 32),
                                 (kt | kk) != 0);
         });
         fence_operands(acc);
