@@ -73,7 +73,7 @@ def measure_point_fp8(svc, w13, w2, fp8w, topk_all, seed: int, warmup: int, iter
 
     runs = {
         "gemm1": lambda: gemm.run(gemm1),
-        "gemm2": lambda: comb.gemm_only(act, fp8w, rows_src, I, tokens=T),
+        "gemm2": lambda: comb.gemm_only(act, fp8w, rows_src, I),
         "fused": lambda: comb.fused(act, fp8w, rows_src, idx, w, I, out=outs["fused"]),
         "unfused": unfused,
         "dispatch-direct": lambda: svc.dispatch(x, idx, w, "direct"),

@@ -76,18 +76,12 @@ class Combiner:
                 hidden=self.hidden, max_tokens=self.max_tokens))
         return cfg
 
-    def gemm_only(self, act, w2, plan: DevicePlan, intermediate: int, tokens: int | None = None) -> None:
+    def gemm_only(self, act, w2, plan: DevicePlan, intermediate: int) -> None:
         """GEMM 2 with the peer sink gated off: the math alone, nothing sent or allocated.
-        act and w2: bf16 arrays, or an FP8Act and the FP8Weights (epserve/ffn/fp8_stage.py).
-        tokens: this rank's token count, when known, for GEMM 2's tile choice (as fused makes it)."""
+        act and w2: bf16 arrays, or an FP8Act and the FP8Weights (epserve/ffn/fp8_stage.py)."""
         cfg = self.send_config(plan.src_info)
         gemm.run(gemm2_specs("peer", act, w2, None, plan.expert_offsets, self.experts_per_rank, self.hidden,
-                             intermediate, cfg, -1, rows_hint=self.rows_hint(tokens)))
-
-    def rows_hint(self, tokens: int | None) -> int | None:
-        """About the rows GEMM 2 has when each rank has `tokens` tokens: a rank receives
-        tokens x top_k rows on average (epserve/ffn/tiles.py chooses the tile from it)."""
-        return None if tokens is None else tokens * self.top_k
+                             intermediate, cfg, -1))
 
     def fused(self, act, w2, plan: DevicePlan, topk_idx, topk_weights, intermediate: int, out=None, status=None):
         """GEMM 2 whose epilogue writes every row into its home rank's recv; then the reduction.
@@ -95,7 +89,7 @@ class Combiner:
         self.epoch += 1
         cfg = self.send_config(plan.src_info, status)
         specs = gemm2_specs("peer", act, w2, None, plan.expert_offsets, self.experts_per_rank, self.hidden,
-                            intermediate, cfg, 0, rows_hint=self.rows_hint(topk_idx.shape[0]))
+                            intermediate, cfg, 0)
         return self._reduce(topk_idx, topk_weights, out, wait=True, status=status, before=specs, key="fused")
 
     def stand_in(self, status=None) -> None:

@@ -11,7 +11,6 @@ import os
 import cupy
 import numpy as np
 
-from epserve.ffn import tiles
 from epserve.runtime import kernels, tma
 from epserve.runtime.kernel_structs import PEER_SEND_CONFIG, i32, launch_arg
 from epserve.runtime.launch import NULL, module_int, pointer, sm_count
@@ -57,15 +56,14 @@ def gemm_impl() -> str:
 
 
 def grouped_gemm(sink: str, A, B, C, expert_offsets, num_experts: int, N: int, K: int, cfg=None, gate: int = 0,
-                 impl: str | None = None, rows_hint: int | None = None) -> None:
+                 impl: str | None = None) -> None:
     """C[m] = A[m] @ B[e]^T per expert; `sink` "null" stores C, "peer" sends to recv (C may be None).
-    A [M, K] and B [E, N, K] are CuPy bf16 arrays. rows_hint: about how many rows A holds (the
-    row count itself is on the device), for the tile choice (epserve/ffn/tiles.py)."""
-    run(grouped_gemm_specs(sink, A, B, C, expert_offsets, num_experts, N, K, cfg, gate, impl, rows_hint))
+    A [M, K] and B [E, N, K] are CuPy bf16 arrays."""
+    run(grouped_gemm_specs(sink, A, B, C, expert_offsets, num_experts, N, K, cfg, gate, impl))
 
 
 def grouped_gemm_specs(sink: str, A, B, C, expert_offsets, num_experts: int, N: int, K: int, cfg=None,
-                       gate: int = 0, impl: str | None = None, rows_hint: int | None = None) -> list:
+                       gate: int = 0, impl: str | None = None) -> list:
     """grouped_gemm's launches as specs, (kernel, grid, block, args, shared_mem), for a caller
     that queues them itself (runtime.launch.LaunchSequence)."""
     if cfg is None:
@@ -79,9 +77,7 @@ def grouped_gemm_specs(sink: str, A, B, C, expert_offsets, num_experts: int, N: 
         args = (pointer(A), pointer(B), pointer(C), pointer(expert_offsets), i32(num_experts), i32(N), i32(K), cfg,
                 i32(gate))
         return [(fn, (sm_count(device),), (threads,), args, smem)]
-    narrow = tiles.gemm2_n_tile(rows_hint, num_experts, N, sm_count(cupy.cuda.runtime.getDevice())) == tiles.NARROW
-    variant = f"gemm_wgmma_{sink}" + ("_n128" if narrow else "")
-    return _wgmma_specs(variant, A, B, num_experts * N, C, expert_offsets, num_experts, N, K, cfg, gate)
+    return _wgmma_specs(f"gemm_wgmma_{sink}", A, B, num_experts * N, C, expert_offsets, num_experts, N, K, cfg, gate)
 
 
 def gemm1_swiglu(A, w13, act, expert_offsets, num_experts: int, intermediate: int, hidden: int,

@@ -272,14 +272,13 @@ class EPService:
             gemm.gemm1_swiglu(d.rows, w13, act, d.expert_offsets, e_loc, I, H)
         comb = self.combiner
         if gate < 0:
-            comb.gemm_only(act, w2, self._send_plan(d), I, tokens=d.num_tokens)
+            comb.gemm_only(act, w2, self._send_plan(d), I)
             return None
         if sink == "peer":
             out = comb.fused(act, w2, self._send_plan(d), d.topk_idx, d.topk_weights, I, out=out)
         else:
             C = cupy.empty((M, H), BF16)
-            gemm.run(fp8_stage.gemm2_specs("null", act, w2, C, d.expert_offsets, e_loc, H, I,
-                                           rows_hint=comb.rows_hint(d.num_tokens)))
+            gemm.run(fp8_stage.gemm2_specs("null", act, w2, C, d.expert_offsets, e_loc, H, I))
             plan = self._send_plan(d) if self.transport == "ipc" else (d.plan or self._host_plan(d.topk_idx))
             out = comb.unfused(C, plan, d.topk_idx, d.topk_weights, out=out)
         return out
@@ -399,15 +398,13 @@ class EPService:
             if self._C is None:
                 self._C = cupy.empty((c.recv_rows_capacity, c.hidden), BF16)
             gemm.run(fp8_stage.gemm2_specs("null", self._act, w2, self._C, d.expert_offsets, c.experts_per_rank,
-                                           c.hidden, c.intermediate,
-                                           rows_hint=self.combiner.rows_hint(topk_idx.shape[0])))
+                                           c.hidden, c.intermediate))
             out = self.combiner.unfused_nccl(self._C, d, topk_idx, topk_weights, out=out)
         else:  # the null sink after the direct dispatch: C pushed over IPC; it reads the row count
             if self._C is None:
                 self._C = cupy.empty((c.recv_rows_capacity, c.hidden), BF16)
             gemm.run(fp8_stage.gemm2_specs("null", self._act, w2, self._C, d.expert_offsets, c.experts_per_rank,
-                                           c.hidden, c.intermediate,
-                                           rows_hint=self.combiner.rows_hint(topk_idx.shape[0])))
+                                           c.hidden, c.intermediate))
             rows = _RowSources(d.expert_offsets, d.src_info, d.rows_received())
             out = self.combiner.unfused(self._C, rows, topk_idx, topk_weights, out=out, status=d.status)
         if check:

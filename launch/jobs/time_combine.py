@@ -64,7 +64,7 @@ def main():
     out_u = cupy.empty((T, H), BF16)
 
     def gemm_null():
-        gemm.grouped_gemm("null", act, w2, C, plan.expert_offsets, E // world, H, I, rows_hint=comb.rows_hint(T))
+        gemm.grouped_gemm("null", act, w2, C, plan.expert_offsets, E // world, H, I)
 
     def unfused():
         gemm_null()
@@ -74,7 +74,7 @@ def main():
         comb.fused(act, w2, plan, idx, w, I, out=out_f)
 
     def gate_off():
-        comb.gemm_only(act, w2, plan, I, tokens=T)
+        comb.gemm_only(act, w2, plan, I)
 
     results = {}
     for name, fn in (("gemm2 null sink (C stored)", gemm_null), ("gemm2 peer sink gated off", gate_off),

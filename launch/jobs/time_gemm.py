@@ -29,10 +29,9 @@ from epserve.arrays import BF16
 from epserve.bench import arithmetic, presets
 from epserve.bench.cublas import gemm_nt, grouped_gemm_per_expert
 from epserve.bench.events import median_ms, samples_ms
-from epserve.ffn import gemm, tiles
+from epserve.ffn import gemm
 from epserve.runtime import build, kernels
 from epserve.runtime.kernel_structs import PEER_SEND_CONFIG
-from epserve.runtime.launch import sm_count
 
 # Experimental builds of the wgmma GEMM (null sink): name -> extra defines.
 VARIANTS = {
@@ -62,7 +61,6 @@ def main():
     p.add_argument("--iters", type=int, default=15)
     args = p.parse_args()
     preset = presets.scaled(presets.get_preset(args.preset), tokens_per_rank=args.tokens)
-    args.rows_hint = preset.tokens_per_rank * preset.top_k
     H, I, E = preset.hidden, preset.intermediate, preset.num_experts // args.ranks
     for name, (base, defines) in VARIANTS.items():
         source, base_defines = kernels.VARIANTS[base]
@@ -187,10 +185,6 @@ def gemm2(rs, spec, offsets_host, w2_host, H, I, args):
     gated_off = np.zeros(1, PEER_SEND_CONFIG)
     runs = {"wgmma (null sink)": lambda: gemm.grouped_gemm("null", A, w2, C, offsets, E, H, I),
             "wgmma (peer build, gated off)": lambda: gemm.grouped_gemm("peer", A, w2, None, offsets, E, H, I, gated_off, -1)}
-    if tiles.gemm2_n_tile(args.rows_hint, E, H, sm_count(0)) != tiles.WIDE:
-        # what the service runs at this shape: the tile chooser's pick from the rows a rank receives
-        runs["wgmma (null sink, chosen tile)"] = lambda: gemm.grouped_gemm("null", A, w2, C, offsets, E, H, I,
-                                                                          rows_hint=args.rows_hint)
     if args.variants:
         for name, (base, _) in VARIANTS.items():
             if base == "gemm_wgmma_null":
