@@ -107,6 +107,30 @@ def _three(dims) -> list:
     return dims + [1] * (3 - len(dims))
 
 
+class Recording:
+    """The launches every prepared LaunchSequence makes while this is open, as specs (kernel,
+    grid, block, args, shared_mem) in launch order: what a LaunchReplay (runtime/replay.py)
+    is made from. `complete` turns False when some launch bypassed the prepared path."""
+
+    def __init__(self):
+        self.specs = []
+        self.complete = True
+
+    def __enter__(self):
+        global _recording
+        if _recording is not None:
+            raise RuntimeError("a launch recording is already open")
+        _recording = self
+        return self
+
+    def __exit__(self, *exc):
+        global _recording
+        _recording = None
+
+
+_recording: Recording | None = None
+
+
 class LaunchSequence:
     """The launches one call of a stage queues, prepared once per key (a token count, say)
     and replayed: each call hands over its launch specs, (kernel, grid, block, args,
@@ -119,7 +143,10 @@ class LaunchSequence:
         self._by_key = {}  # key -> [[PreparedLaunch, the args it holds, (kernel, grid, block, shared_mem)]]
 
     def run(self, key, specs, stream: int | None = None) -> None:
+        recording = _recording
         if not self.prepared:
+            if recording is not None:
+                recording.complete = False
             for kernel, grid, block, args, shared_mem in specs:
                 kernel(grid, block, args, shared_mem=shared_mem)
             return
@@ -140,6 +167,8 @@ class LaunchSequence:
             stream = cupy.cuda.get_current_stream().ptr
         for entry in launches:
             entry[0](stream)
+        if recording is not None:
+            recording.specs.extend((e[2][0], e[2][1], e[2][2], e[1], e[2][3]) for e in launches)
 
     def forget(self) -> None:
         """Drop every prepared launch (after the kernels or buffers behind them changed)."""

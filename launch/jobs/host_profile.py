@@ -88,7 +88,8 @@ def host_breakdown(svc, fn, calls: int) -> dict:
                 spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
         return wrapper
 
-    patched = [(svc, "_tokens"), (svc, "_weights"), (svc.direct, "enqueue"), (svc._gemm1, "run"),
+    patched = [(svc, "_tokens"), (svc, "_weights"), (svc, "_forward_replayed"), (svc.direct, "enqueue"),
+               (svc._gemm1, "run"),
                (svc.combiner, "fused"), (launch_mod.PreparedLaunch, "__call__")]
     saved = [(obj, name, obj.__dict__.get(name)) for obj, name in patched]
     for obj, name in patched:
@@ -134,6 +135,15 @@ extern "C" __global__ void nop14(long long a, int b, int c, int d, int e, int f,
 _NOP1, _NOP14 = cupy.RawKernel(_NOP_SRC, "nop1"), cupy.RawKernel(_NOP_SRC, "nop14")
 
 
+def rebuilt(svc, x, idx, w, w13, w2):
+    """forward p+d check=F with its launches built anew, not replayed (runtime/replay.py)."""
+    svc.replay_forward = False
+    try:
+        return svc.forward(x, idx, w, w13, w2, "peer", "direct", check=False)
+    finally:
+        svc.replay_forward = True
+
+
 def wall_ms(fn, calls: int) -> float:
     cupy.cuda.runtime.deviceSynchronize()
     t0 = time.perf_counter()
@@ -167,19 +177,20 @@ def main():
             "forward peer+direct": lambda: svc.forward(x, idx, w, w13, w2, "peer", "direct"),
             "forward p+d check=F": lambda: svc.forward(x, idx, w, w13, w2, "peer", "direct", check=False),
             "forward null+nccl": lambda: svc.forward(x, idx, w, w13, w2, "null", "nccl"),
+            "forward p+d check=F rebuilt": lambda: rebuilt(svc, x, idx, w, w13, w2),
         }
         for fn in paths.values():
             fn()
         if rank == 0:
             print(f"# host_profile: {world} rank(s), T={args.tokens} H={args.hidden} I={args.intermediate} "
                   f"E={args.experts} k={args.top_k}; ms per call")
-            print(f"{'path':<22}{'GPU ms':>9}{'wall ms':>9}{'host ms':>9}")
+            print(f"{'path':<28}{'GPU ms':>9}{'wall ms':>9}{'host ms':>9}")
         for name, fn in paths.items():
             g = gpu_ms(fn, 5)
             wl = wall_ms(fn, args.calls)
             hs = f"{host_ms(fn, 20):>9.4f}" if "check=F" in name else f"{'-':>9}"
             if rank == 0:
-                print(f"{name:<22}{g:>9.3f}{wl:>9.3f}{hs}", flush=True)
+                print(f"{name:<28}{g:>9.3f}{wl:>9.3f}{hs}", flush=True)
         if rank == 0:
             print("# host time of 'forward p+d check=F' by stage, us per call:")
         for stage, us in host_breakdown(svc, paths["forward p+d check=F"], 20).items():

@@ -1,0 +1,98 @@
+"""A recorded call's launches, replayed with new inputs: the host's side of a repeated call
+reduced to rewriting the pointers of the arrays that change and launching.
+
+A call of a stage builds launch specs in Python (argument wrappers, kernel lookups, cached
+tensor maps) before its prepared launches run, about 60 us of host time per forward at
+decode shapes. Once the launches of a call are known (runtime.launch.Recording), a call with
+the same shape and the same weights makes the same launches but for the per-call arrays'
+addresses. A LaunchReplay holds its own prepared launches (not the LaunchSequences', which
+later calls rewrite) and the argument slots where each per-call array goes.
+
+It refuses a recording (LaunchReplay.of returns None) that it could replay wrong: one where
+a per-call array's address sits anywhere but in an argument that is that very array (inside
+a by-value struct or tensor map, or as a view into it), since rewriting the slots would not
+reach it."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+from epserve.runtime.launch import PreparedLaunch, Recording
+
+
+class LaunchReplay:
+    def __init__(self, launches: list, slots: dict, pointers: dict):
+        self._launches = launches  # PreparedLaunch, in the recorded order
+        self._slots = slots        # name -> [(launch, argument index)]
+        self._pointers = pointers  # name -> the address the slots hold now
+
+    @classmethod
+    def of(cls, recording: Recording, inputs: dict) -> LaunchReplay | None:
+        """The replay of `recording`, whose per-call arrays were `inputs` (name -> CuPy array),
+        or None when it cannot be replayed safely."""
+        if not recording.complete or not recording.specs:
+            return None
+        ranges = [(a.data.ptr, a.data.ptr + a.nbytes) for a in inputs.values() if a.nbytes]
+        slots = {name: [] for name in inputs}
+        launches = []
+        for kernel, grid, block, args, shared_mem in recording.specs:
+            launch = PreparedLaunch(kernel, grid, block, args, shared_mem)
+            sizes = _param_sizes(launch._function)
+            for index, arg in enumerate(args):
+                name = next((n for n, a in inputs.items() if arg is a), None)
+                if name is not None:
+                    slots[name].append((launch, index))
+                elif _reaches(arg, ranges, sizes[index] if sizes and index < len(sizes) else None):
+                    return None
+            launches.append(launch)
+        return cls(launches, slots, {name: a.data.ptr for name, a in inputs.items()})
+
+    def __call__(self, inputs: dict, stream: int) -> None:
+        """The recorded launches on `stream`, with `inputs` (the same names, shapes and dtypes
+        as recorded) in place of the recorded arrays."""
+        for name, a in inputs.items():
+            ptr = a.data.ptr
+            if ptr != self._pointers[name]:
+                for launch, index in self._slots[name]:
+                    launch.set(index, a)
+                self._pointers[name] = ptr
+        for launch in self._launches:
+            launch(stream)
+
+
+def _reaches(arg, ranges, size: int | None) -> bool:
+    """Whether argument `arg` holds an address inside one of `ranges` (or may: a by-value
+    argument whose bytes cannot be read counts as one that does)."""
+    if arg is None:
+        return False
+    data = getattr(arg, "data", None)
+    if hasattr(data, "ptr"):  # a CuPy array: a view of a per-call array is not that array
+        return any(lo <= data.ptr < hi for lo, hi in ranges)
+    if isinstance(arg, (np.ndarray, np.generic)):
+        raw = np.asarray(arg).tobytes()
+    elif hasattr(arg, "ptr") and size is not None:  # launch_arg's wrapper: `size` bytes at ptr
+        raw = ctypes.string_at(arg.ptr, size)
+    else:
+        return True
+    words = np.frombuffer(raw[:len(raw) // 8 * 8], np.uint64)
+    return any(bool(((words >= lo) & (words < hi)).any()) for lo, hi in ranges)
+
+
+@functools.lru_cache(maxsize=None)
+def _param_sizes(function: int) -> tuple | None:
+    """The byte size of each parameter of a kernel (the driver's cuFuncGetParamInfo), or None
+    where the driver cannot say."""
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError:
+        return None
+    sizes, fn = [], cu.CUfunction(function)
+    for index in range(256):
+        err, _, size = cu.cuFuncGetParamInfo(fn, index)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            break
+        sizes.append(int(size))
+    return tuple(sizes) if sizes else None
