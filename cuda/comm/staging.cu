@@ -141,12 +141,18 @@ extern "C" __global__ void __launch_bounds__(256)
     const bool go = ok;
     __syncthreads();  // ok is rewritten by the next item
     if (!go) continue;
-    const long long n16 = static_cast<long long>(r.bytes / 16);
-    const long long per = (n16 + gridDim.x * warps - 1) / (gridDim.x * warps);  // chunks a warp
+    // 16-byte pieces where both ends and the size allow (token rows), else 4-byte words (count
+    // rows and routing); a warp takes one contiguous share.
+    const bool wide = ((r.src | r.dst | r.bytes) & 15) == 0;
+    const long long n = static_cast<long long>(wide ? r.bytes / 16 : r.bytes / 4);
+    const long long per = (n + gridDim.x * warps - 1) / (gridDim.x * warps);  // pieces a warp
     const long long w = static_cast<long long>(blockIdx.x) * warps + (threadIdx.x >> 5);
-    const long long from = w * per, to = min(n16, from + per);
-    if (from < to)
+    const long long from = w * per, to = min(n, from + per);
+    if (from < to && wide)
       warp_copy(reinterpret_cast<uint4*>(r.dst) + from, reinterpret_cast<const uint4*>(r.src) + from, to - from, lane);
+    else
+      for (long long c = from + lane; c < to; c += 32)
+        reinterpret_cast<unsigned*>(r.dst)[c] = __ldcg(reinterpret_cast<const unsigned*>(r.src) + c);
   }
   // 3. the last block: every block's copies are done (and visible) before the peers hear it.
   __threadfence_system();
