@@ -102,7 +102,9 @@ class NcclCarrier:
 
     def abort(self) -> None:
         """Ends NCCL's kernels that wait for a peer that will never come (close(), bounded)."""
-        self.comm.abort()
+        abort = getattr(self.comm, "abort", None)  # ncclCommAbort
+        if abort is not None:
+            abort()
 
 
 CARRIER_RECV = np.dtype([("peer", np.uint64), ("src", np.uint64), ("dst", np.uint64), ("bytes", np.uint64)])

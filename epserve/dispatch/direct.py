@@ -48,6 +48,8 @@ class DirectDispatcher:
     this call's rows (capacity-sized; expert_offsets[-1] rows are valid) until the next call,
     and `status` the call status (cuda/common/errors.cuh)."""
 
+    off_node = None  # epserve/comm/off_node.py OffNode when the ranks span several nodes
+
     def __init__(self, group, signals, *, num_experts: int, top_k: int, hidden: int, max_tokens: int,
                  max_recv_rows: int, wait_timeout_s: float, dtype, off_node=None):
         self.group, self.signals = group, signals
