@@ -167,27 +167,39 @@ __device__ void expand_tokens(const bf16_t* __restrict__ x, int T, const int* __
                               const int* __restrict__ base, bf16_t* __restrict__ a, int* __restrict__ src_info,
                               int* __restrict__ expert_offsets, const unsigned long long* __restrict__ my_chunk_arrive,
                               const unsigned long long* __restrict__ expected_chunk, int max_chunks,
-                              bool own_in_send, int block, int grid) {
+                              bool own_in_send, int block, int grid, bool off_node = false) {
   const int E = cfg.num_experts, W = cfg.world, k = cfg.top_k, H = cfg.hidden, e_loc = E / W, row = E + W + 1;
   const int meta_len = 1 + 2 * k, rank = cfg.rank;
-  __shared__ int first[EPSERVE_MAX_PEERS];  // first work item of each other source, in order; first[W - 1]: the end
-  __shared__ int order[EPSERVE_MAX_PEERS];  // the other sources, in the order their rows are taken
+  // first[n]: the first work item of the n-th source taken (first[0]: after this rank's own
+  // T), first[sources]: the end. The sources are the other ranks of this rank's node
+  // (off_node false: the move kernel, rows stored over IPC as they arrive) or the ranks of
+  // the other nodes (off_node true: after the carrier landed their blocks, no waits;
+  // docs/design.md, "Across nodes"). With one node, every other rank is of this node.
+  __shared__ int first[EPSERVE_MAX_PEERS + 1];
+  __shared__ int order[EPSERVE_MAX_PEERS];  // the sources, in the order their rows are taken
+  __shared__ int sources;
   if (call_stopped(cfg.status)) return;
+  if (off_node && call_failed(cfg.status)) return;
   if (threadIdx.x == 0) {
     const int* table = cfg.count_table[rank];
+    const int R = cfg.ranks_per_node, node = rank / R;
     first[0] = T;
-    for (int n = 1; n < W; ++n) {
-      const int s = (rank + n) % W;
-      order[n - 1] = s;
-      first[n] = first[n - 1] + ld_cg_s32(table + s * row + E + rank);
+    int n = 0;
+    for (int i = 1; i < W; ++i) {
+      const int s = (rank + i) % W;
+      if ((s / R != node) != off_node) continue;
+      order[n] = s;
+      first[n + 1] = first[n] + ld_cg_s32(table + s * row + E + rank);
+      ++n;
     }
+    sources = n;
   }
   __syncthreads();
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   int have = -1;  // the (source, chunk) whose arrival this warp has seen, as s * max_chunks + c
   bool own = true;
   const int start = own_in_send ? T : 0;
-  for (int i = start + block * warps + (threadIdx.x >> 5); i < first[W - 1]; i += grid * warps) {
+  for (int i = start + block * warps + (threadIdx.x >> 5); i < first[sources]; i += grid * warps) {
     int s, t, m = -1;
     const uint4* src;
     if (own && i >= T) own = false, move_stamp(1);
@@ -201,7 +213,7 @@ __device__ void expand_tokens(const bf16_t* __restrict__ x, int T, const int* __
       while (i >= first[n + 1]) ++n;
       s = order[n];
       const int pos = i - first[n], c = pos / kArrivalChunk, key = s * max_chunks + c;
-      if (key != have) {
+      if (key != have && !off_node) {  // off-node rows landed before this launch (stream order)
         int ok = 1;
         if (lane == 0) {
           const unsigned long long target = expected_chunk[key] + chunk_rows(first[n + 1] - first[n], c);
@@ -286,6 +298,19 @@ extern "C" __global__ void __launch_bounds__(kMoveThreads)
 extern "C" __global__ void epserve_dispatch_release(const DispatchConfig cfg,
                                                     unsigned long long* __restrict__ expected_chunk, int max_chunks) {
   release_dispatch(cfg, expected_chunk, max_chunks);
+}
+
+// Across nodes (docs/design.md, "Across nodes"): the rows of the other nodes' ranks, after the
+// off-node carrier has landed their token blocks, routing and count rows in this rank's own
+// token regions and count table (so the same slots as a one-node run). A warp per token row,
+// as the move kernel's expand, without waits: the carrier's transfer precedes this launch on
+// the stream. Nothing when the call was stopped or failed; this rank's own rows, and its
+// node's, were expanded by the move kernel.
+extern "C" __global__ void __launch_bounds__(kMoveThreads)
+    epserve_dispatch_expand_off_node(const DispatchConfig cfg, const int* __restrict__ base, bf16_t* __restrict__ a,
+                                     int* __restrict__ src_info, int* __restrict__ expert_offsets) {
+  expand_tokens(nullptr, 0, nullptr, nullptr, cfg, base, a, src_info, expert_offsets, nullptr, nullptr, 1, true,
+                blockIdx.x, gridDim.x, true);
 }
 
 // ---- The NCCL transport, planned on the device (epserve/dispatch/nccl.py) -------------------

@@ -24,6 +24,9 @@ struct DispatchConfig {
   int hidden;
   int max_tokens;
   int max_recv_rows;                                    // expert rows a rank may receive in one call
+  int ranks_per_node;                                   // node n = ranks [n * R, (n + 1) * R): its peers are
+                                                        // reached by IPC, the others' rows by the off-node
+                                                        // carrier (epserve/comm/off_node.py); R = world: one node
 };
 
 // The code a rank puts in its count row when its own input failed its host checks

@@ -18,6 +18,7 @@ enum ErrorCode : int {
   kPeerRejectedInput = 8,    // verdict: rank `peer` rejected its own input on the host
   kPeerBadExpert = 9,        // verdict: rank `peer`'s topk_idx holds an id outside [-1, num_experts)
   kRecvOverflow = 10,        // verdict: rank `peer` would receive `detail` rows, over max_recv_rows
+  kOffNodeCarrierTimeout = 11,  // the IPC test carrier waited for rank `peer` to post (detail 0) or take (1) a group
 };
 
 // A call's status on this rank (int[2], local), written fresh by the dispatch layout kernel

@@ -32,7 +32,7 @@ from epserve.runtime.launch import LaunchSequence
 
 class Combiner:
     def __init__(self, group, signals, *, num_experts: int, top_k: int, hidden: int, max_tokens: int,
-                 wait_timeout_s: float, transport: str, nccl_comm=None, dtype=None):
+                 wait_timeout_s: float, transport: str, nccl_comm=None, dtype=None, off_node=None):
         if transport not in ("nccl", "ipc"):
             raise ValueError(f"unknown combine transport {transport!r}")
         self.group = group
@@ -47,7 +47,11 @@ class Combiner:
         # The view of it, made once: a view costs host time (the reduction takes it every call).
         self._recv_view = self._recv.view(dtype, (max_tokens, top_k, hidden)) if dtype is not None else None
         self.signals = signals
-        self._ready_table = launch_arg(pack_peer_pointers([signals.peer(d, sig.READY) for d in range(self.world)]))
+        self.off_node = off_node  # epserve/comm/off_node.py: rows for other nodes' ranks go by its carrier
+        ready = [signals.peer(d, sig.READY) for d in range(self.world)]
+        if off_node is not None:
+            ready = off_node.ready_table(ready)
+        self._ready_table = launch_arg(pack_peer_pointers(ready))
         self._reduce_blocks_done = cupy.zeros(1, cupy.uint32)  # the reduction's last block releases recv
         self.epoch = 0  # combines begun so far, for reports only: the kernels keep their own
         self._configs = {}
@@ -69,9 +73,11 @@ class Combiner:
         if cfg is None:
             if len(self._configs) > 64:  # per-call buffers (the baselines) come and go
                 self._configs.clear()
+            tables = dict(recv=self._recv.peer_ptrs, arrive=[self.signals.peer(d, sig.ARRIVE) for d in range(self.world)])
+            if self.off_node is not None:  # another node's rows go to its staging copy of recv
+                tables = self.off_node.send_tables(**tables)
             cfg = self._configs[key] = launch_arg(pack_peer_send_config(
-                recv=self._recv.peer_ptrs, arrive=[self.signals.peer(d, sig.ARRIVE) for d in range(self.world)],
-                ready=self.signals.local(sig.READY), src_info=key[0], error=self.signals.local(sig.ERROR),
+                **tables, ready=self.signals.local(sig.READY), src_info=key[0], error=self.signals.local(sig.ERROR),
                 status=key[1], timeout_ns=self.timeout_ns, rank=self.rank, world=self.world, top_k=self.top_k,
                 hidden=self.hidden, max_tokens=self.max_tokens))
         return cfg
@@ -92,17 +98,20 @@ class Combiner:
                             intermediate, cfg, 0)
         return self._reduce(topk_idx, topk_weights, out, wait=True, status=status, before=specs, key="fused")
 
-    def stand_in(self, status=None) -> None:
+    def stand_in(self, status=None, off_node: bool = True) -> None:
         """This rank's part of a combine it has no tokens for (its input was rejected): the
-        epoch moves on with the others'."""
+        epoch moves on with the others'. off_node: the others' combine crosses nodes through
+        the off-node carrier (every path but the NCCL combine), so this rank's part does too."""
         self.epoch += 1
+        if self.off_node is not None and off_node:  # the carrier's groups are collective: take part with no tokens
+            self.off_node.exchange_combine(None, 0, self.top_k, self.hidden, self.experts_per_rank, self.recv, status)
         self._launches.run("stand-in", [launchers.release_recv_spec(self._ready_table, self.rank, self.world)])
 
     def unfused(self, C, plan: DevicePlan, topk_idx, topk_weights, out=None, status=None):
         """C [M, H] (GEMM 2 with the null sink) -> recv slots by the transport -> the reduction."""
         self.epoch += 1
         M, row_bytes = plan.num_recv_rows, self.hidden * 2
-        if self.transport == "ipc":
+        if self.transport == "ipc" or not hasattr(plan, "host"):  # no host plan: C's rows by the IPC push
             row_moves.push_rows_to_peers(C, M, self.hidden, self.send_config(plan.src_info, status))
             return self._reduce(topk_idx, topk_weights, out, wait=True, status=status)
         h = plan.host
@@ -133,6 +142,11 @@ class Combiner:
         if wait:
             specs.append(launchers.combine_arm_spec(topk_idx, T, self.top_k, self.experts_per_rank, self.world,
                                                     self.hidden // 64, s.local(sig.EXPECTED), status))
+        if wait and self.off_node is not None:  # across nodes: the staged rows cross, and land, first
+            self._launches.run((key, wait, T, "before"), specs)
+            self.off_node.exchange_combine(topk_idx, T, self.top_k, self.hidden, self.experts_per_rank, self.recv,
+                                           status)
+            specs = []
         specs.append(launchers.combine_reduce_spec(self.recv, topk_idx, topk_weights, out, T, self.top_k, self.hidden,
                                                    self.world, s.local(sig.ARRIVE), s.local(sig.EXPECTED),
                                                    s.local(sig.ERROR), self.timeout_ns, wait, status,

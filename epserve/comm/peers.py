@@ -52,18 +52,28 @@ class SymmetricBuffer:
 
 
 class PeerGroup:
-    """The symmetric buffers of one communicator, and their orderly teardown."""
+    """The symmetric buffers of one communicator, and their orderly teardown. With a node
+    layout (epserve/comm/topology.py), only the peers of this rank's node are mapped: a
+    buffer's peer_ptr is 0 for a rank of another node (CUDA IPC does not cross nodes;
+    docs/design.md, "Across nodes"), unless allocate is asked to reach every rank (the IPC
+    test carrier alone, where the "nodes" are played on one machine)."""
 
-    def __init__(self, comm):
+    def __init__(self, comm, layout=None):
         self.comm = comm
         self.rank = comm.Get_rank()
         self.world = comm.Get_size()
+        self.layout = layout
         self.buffers: list[SymmetricBuffer] = []
         self._opened: list[int] = []  # peers' mappings, closed before anything is freed
         self._closed = False
 
-    def allocate(self, nbytes: int) -> SymmetricBuffer:
-        """Collective: every rank must ask for the same size."""
+    def reaches(self, d: int) -> bool:
+        """Whether this rank maps rank d's buffers (d is on this rank's node)."""
+        return self.layout is None or self.layout.same_node(self.rank, d)
+
+    def allocate(self, nbytes: int, every_rank: bool = False) -> SymmetricBuffer:
+        """Collective: every rank must ask for the same size. every_rank: map the buffers of
+        the ranks of other nodes too (only the IPC test carrier, on one machine)."""
         sizes = self.comm.allgather(int(nbytes))
         if len(set(sizes)) != 1:
             raise EPServeError(f"symmetric buffer sizes differ between ranks: {sizes}")
@@ -85,6 +95,9 @@ class PeerGroup:
         for d, h in enumerate(handles):
             if d == self.rank:  # never open one's own handle
                 peer_ptrs.append(ptr)
+                continue
+            if not (every_rank or self.reaches(d)):  # another node: no IPC mapping
+                peer_ptrs.append(0)
                 continue
             mapped = rt.ipcOpenMemHandle(h, _LAZY_PEER_ACCESS)
             self._opened.append(mapped)

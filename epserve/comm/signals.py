@@ -52,7 +52,11 @@ _CODES = {
     10: ("dispatch-verdict", ConfigError,
          "rank {peer} would receive {detail} expert rows, more than MoEConfig.max_recv_rows allows; the call was "
          "stopped before any row moved"),
+    11: ("off-node-carrier", PeerTimeoutError,
+         "the off-node test carrier (EPSERVE_OFFNODE_CARRIER=ipc) waited for rank {peer} to "
+         "{detail_text}, in vain: rank {peer} is dead, stuck or slower than wait_timeout_s"),
 }
+_DETAIL_TEXT = {11: ("post its rows", "take the rows posted to it")}
 
 
 class SignalBlock:
@@ -124,7 +128,10 @@ class SignalBlock:
 def error_from_record(rank: int, code: int, peer: int, detail: int) -> EPServeError:
     """The exception a device error record (code, peer, detail) stands for, naming the stage."""
     stage, cls, text = _CODES.get(code, ("unknown", EPServeError, "device error code {code}"))
-    exc = cls(f"rank {rank}: stage {stage}: " + text.format(peer=peer, detail=detail, code=code))
+    words = _DETAIL_TEXT.get(code, ())
+    detail_text = words[detail] if 0 <= detail < len(words) else str(detail)
+    message = text.format(peer=peer, detail=detail, code=code, detail_text=detail_text)
+    exc = cls(f"rank {rank}: stage {stage}: " + message)
     if cls is RankFailedError:
-        exc.stage, exc.failures = stage, {peer: text.format(peer=peer, detail=detail, code=code)}
+        exc.stage, exc.failures = stage, {peer: message}
     return exc

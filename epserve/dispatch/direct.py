@@ -48,9 +48,12 @@ class DirectDispatcher:
     this call's rows (capacity-sized; expert_offsets[-1] rows are valid) until the next call,
     and `status` the call status (cuda/common/errors.cuh)."""
 
+    off_node = None  # epserve/comm/off_node.py OffNode when the ranks span several nodes
+
     def __init__(self, group, signals, *, num_experts: int, top_k: int, hidden: int, max_tokens: int,
-                 max_recv_rows: int, wait_timeout_s: float, dtype):
+                 max_recv_rows: int, wait_timeout_s: float, dtype, off_node=None):
         self.group, self.signals = group, signals
+        self.off_node = off_node  # epserve/comm/off_node.py: the ranks of other nodes, or None (one node)
         self.rank, self.world = group.rank, group.world
         self.E, self.k, self.H, self.max_tokens = num_experts, top_k, hidden, max_tokens
         self.max_recv_rows = max_recv_rows
@@ -74,7 +77,10 @@ class DirectDispatcher:
         self._max_chunks = (max_tokens + ARRIVAL_CHUNK - 1) // ARRIVAL_CHUNK
         self._chunk_arrive = group.allocate(W * self._max_chunks * 8)
         self._chunk_arrive.view(np.uint64, (W * self._max_chunks,)).fill(0)
-        self._chunk_ptrs = cupy.asarray(np.array(self._chunk_arrive.peer_ptrs, np.uint64))
+        chunk_ptrs = self._chunk_arrive.peer_ptrs
+        if off_node is not None:
+            chunk_ptrs = off_node.chunk_arrive_table(chunk_ptrs, self._max_chunks)
+        self._chunk_ptrs = cupy.asarray(np.array(chunk_ptrs, np.uint64))
         self._expected_chunk = cupy.zeros(W * self._max_chunks, np.uint64)
         # The move kernel's count of finished blocks: its last block releases the dispatch
         # and zeroes it. fuse_release=False launches the release kernel instead (timing).
@@ -118,10 +124,13 @@ class DirectDispatcher:
 
     def _config(self) -> np.ndarray:
         s, W = self.signals, self.world
+        tables = dict(count_table=self._table.peer_ptrs, tokens=self._tokens.peer_ptrs, meta=self._meta.peer_ptrs,
+                      count_arrive=[s.peer(d, sig.COUNT_ARRIVE) for d in range(W)],
+                      ready=[s.peer(d, sig.DISPATCH_READY) for d in range(W)])
+        if self.off_node is not None:  # another node's entries point into the staging (off_node.py)
+            tables = self.off_node.dispatch_tables(**tables)
         return pack_dispatch_config(
-            count_table=self._table.peer_ptrs, tokens=self._tokens.peer_ptrs, meta=self._meta.peer_ptrs,
-            count_arrive=[s.peer(d, sig.COUNT_ARRIVE) for d in range(W)],
-            ready=[s.peer(d, sig.DISPATCH_READY) for d in range(W)],
+            **tables, ranks_per_node=W if self.off_node is None else self.off_node.plan.R,
             my_ready=s.local(sig.DISPATCH_READY), my_count_arrive=s.local(sig.COUNT_ARRIVE),
             error=s.local(sig.ERROR), status=self.status.data.ptr, timeout_ns=self.timeout_ns, rank=self.rank,
             world=W, num_experts=self.E, top_k=self.k, hidden=self.H, max_tokens=self.max_tokens,
@@ -150,7 +159,18 @@ class DirectDispatcher:
         if not self.fuse_release:
             specs.append((self._release, (1,), (RELEASE_THREADS,), (cfg, self._expected_chunk, self._max_chunks_arg),
                           0))
-        self.launches.run((T, rejected), specs)
+        if self.off_node is None:
+            self.launches.run((T, rejected), specs)
+            return
+        # Across nodes (docs/design.md, "Across nodes"): the count rows cross between count +
+        # publish and the layout, the staged token blocks after the move, then their expansion.
+        off = self.off_node
+        self.launches.run((T, rejected, "count"), specs[:1])
+        off.exchange_counts(self._table.ptr)
+        self.launches.run((T, rejected, "move"), specs[1:])
+        off.exchange_rows(self._tokens.ptr, self._meta.ptr, self.status)
+        self.launches.run("off-node expand", [off.expand_spec(cfg, self._base, self.rows, self.src_info,
+                                                              self.expert_offsets, self.expand_blocks)])
 
     def rows_received(self) -> int:
         """This call's row count, read on the host (waits for the stream): for the baselines

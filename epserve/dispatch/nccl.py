@@ -133,7 +133,7 @@ class NcclDispatcher:
             count_table=none, tokens=none, meta=none, count_arrive=none, ready=none, my_ready=0, my_count_arrive=0,
             error=self.signals.local(sig.ERROR),
             status=self.status.data.ptr, timeout_ns=0, rank=self.rank, world=W, num_experts=E, top_k=k, hidden=H,
-            max_tokens=T, max_recv_rows=self.max_recv_rows))
+            max_tokens=T, max_recv_rows=self.max_recv_rows, ranks_per_node=W))
         self._expand_grid = (max(1, min(self._sms * 4, (W * T + 7) // 8)),)
         self._pinned = cupy.cuda.alloc_pinned_memory(4)
         self._shapes = {}

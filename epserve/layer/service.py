@@ -33,6 +33,7 @@ from epserve.arrays import BF16, checked_array
 from epserve.combine.combiner import Combiner
 from epserve.comm import mpi as ep_comm
 from epserve.comm.nccl import gpus_shared, make_nccl
+from epserve.comm.off_node import agree_carrier, make_off_node
 from epserve.comm.peers import PeerGroup
 from epserve.comm.signals import SignalBlock
 from epserve.comm.topology import gather_node_layout
@@ -107,8 +108,10 @@ class EPService:
         and maps every peer's through CUDA IPC, and creates the NCCL communicator.
 
         Raises, on every rank alike: RankMismatchError when the ranks' configs differ or
-        world_size is not comm's size (before any CUDA call); ConfigError when the ranks span
-        more than one node (epserve/comm/topology.py), also before any CUDA call; RankFailedError naming each
+        world_size is not comm's size (before any CUDA call); ConfigError when the ranks'
+        placement is unusable (epserve/comm/topology.py) or, across nodes, the off-node carrier
+        (EPSERVE_OFFNODE_CARRIER) is unknown or differs between ranks, also before any CUDA
+        call, or cannot run here (nccl where ranks share a GPU); RankFailedError naming each
         rank that has no usable GPU or failed to allocate or map a buffer. MPI must be
         running: started without mpirun/mpiexec, the communicator has one rank.
         """
@@ -119,13 +122,10 @@ class EPService:
         self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
         check_agreement(config, self.comm)  # needs no GPU: a mismatch is reported before any CUDA call
         self.nodes = gather_node_layout(self.comm)  # every rank computes it alike, and raises alike
-        if self.nodes.nodes > 1:
-            raise ConfigError(f"the {self.world} ranks span {self.nodes.nodes} nodes of {self.nodes.ranks_per_node} "
-                              "(host names, or EPSERVE_RANKS_PER_NODE): epserve's peers reach each other by CUDA "
-                              "IPC, inside one node only; rows for another node (over NCCL) are not built yet")
+        self._carrier = agree_carrier(self.comm, self.nodes)  # across nodes: the off-node carrier's name
         self.device = ep_comm.select_device(self.comm, device)
         self._closed = False
-        self.group = PeerGroup(self.comm)
+        self.group = PeerGroup(self.comm, self.nodes)  # IPC mappings inside this rank's node only
         with ep_comm.checked(self.comm, "EPService setup"):
             self.shared_gpu = gpus_shared(self.comm)
             self.transport = "ipc" if self.shared_gpu else "nccl"
@@ -136,9 +136,16 @@ class EPService:
         # and scales, epserve/ffn/fp8_stage.py), which the dispatchers carry as rows of this width.
         width = fp8_stage.dispatch_width(c.hidden) if self.fp8 else c.hidden
         self.signals = SignalBlock.create(self.group)
+        # Across nodes: staging and the carrier for the other nodes' ranks (None on one node).
+        self.off_node = make_off_node(self.comm, self.group, self.signals, self.nodes, self._carrier,
+                                      num_experts=c.num_experts,
+                                      top_k=c.top_k, hidden=width, combine_hidden=c.hidden,
+                                      max_tokens=c.max_tokens_per_rank, wait_timeout_s=c.wait_timeout_s,
+                                      nccl_comm=self.nccl, shared_gpu=self.shared_gpu)
         self.direct = DirectDispatcher(self.group, self.signals, num_experts=c.num_experts, top_k=c.top_k,
                                        hidden=width, max_tokens=c.max_tokens_per_rank,
-                                       max_recv_rows=c.recv_rows_capacity, wait_timeout_s=c.wait_timeout_s, dtype=BF16)
+                                       max_recv_rows=c.recv_rows_capacity, wait_timeout_s=c.wait_timeout_s, dtype=BF16,
+                                       off_node=self.off_node)
         # The NCCL transport planned on the device; its buffers are made on first use.
         self.nccl_path = None if self.shared_gpu else NcclDispatcher(
             self.nccl, self.signals, rank=self.rank, world=self.world, num_experts=c.num_experts, top_k=c.top_k,
@@ -148,7 +155,7 @@ class EPService:
                                    BF16)
         self.combiner = Combiner(self.group, self.signals, num_experts=c.num_experts, top_k=c.top_k, hidden=c.hidden,
                                  max_tokens=c.max_tokens_per_rank, wait_timeout_s=c.wait_timeout_s,
-                                 transport=self.transport, nccl_comm=self.nccl, dtype=BF16)
+                                 transport=self.transport, nccl_comm=self.nccl, dtype=BF16, off_node=self.off_node)
         # GEMM 1's output at capacity, once: forward allocates nothing but a default out. FP8
         # experts (epserve/ffn/fp8_stage.py): the quantized received rows and act instead.
         self._fp8 = FP8Buffers(c.recv_rows_capacity, c.hidden, c.intermediate, c.max_tokens_per_rank) \
@@ -230,6 +237,7 @@ class EPService:
         if self.nccl_path is not None:
             d = self.nccl_path.dispatch(x, topk_idx, error)
             return DispatchResult(d.rows, d.expert_offsets, d.src_info, d.num_rows, topk_idx, topk_weights)
+        self._refuse_across_nodes("dispatch transport 'nccl' where ranks share a GPU")
         ep_comm.collective_verdict(self.comm, "dispatch input", error)
         plan = self._host_plan(topk_idx)
         rows = self.baseline.dispatch(x, plan)
@@ -468,7 +476,8 @@ class EPService:
                 self.nccl_path.combine(None, 0, self.combiner.recv)
         else:
             self.direct.enqueue(None, None, rejected=True)
-        self.combiner.stand_in()
+        # The NCCL combine (null sink after the NCCL dispatch) stages nothing across nodes.
+        self.combiner.stand_in(off_node=not (dispatch == "nccl" and self.nccl_path is not None and sink == "null"))
         try:
             poisoned = checked_array(out, "out", "bf16", (None, self.config.hidden)) if out is not None else None
         except ConfigError:
@@ -491,11 +500,19 @@ class EPService:
     def _forward_baseline(self, x, topk_idx, topk_weights, w13, w2, sink, dispatch, out):
         """Dispatch "nccl" where ranks share a GPU (NCCL refuses that): planned on the host, rows
         pulled over IPC, with an MPI verdict on the inputs first."""
+        self._refuse_across_nodes("dispatch 'nccl' where ranks share a GPU")
         tokens = getattr(x, "shape", (0,))[0]
         w13, w2, out = self._checked_ffn_inputs(sink, w13, w2, out, tokens, "forward input", dispatch)
         result = self._expert_ffn(self.dispatch(x, topk_idx, topk_weights, dispatch), w13, w2, sink, out, 0)
         self._raise_pending()
         return result
+
+    def _refuse_across_nodes(self, what: str) -> None:
+        """The host-planned baseline pulls rows over IPC, which does not cross nodes: refused
+        on every rank alike (they share the layout and the GPU placement) before anything moves."""
+        if self.off_node is not None:
+            raise ConfigError(f"{what} (the host-planned IPC baseline) cannot reach ranks of other nodes "
+                              f"({self.nodes.nodes} nodes of {self.nodes.ranks_per_node}); use dispatch 'direct'")
 
     def check(self) -> None:
         """Synchronize the device, then raise what a device-side check recorded since the last
@@ -528,6 +545,8 @@ class EPService:
         if self._closed:
             return
         self._closed = True
+        if self.off_node is not None:  # NCCL's waits are not bounded: abort the carrier if the work never ends
+            self.off_node.quiesce(self.config.wait_timeout_s)
         self.group.close(self.config.wait_timeout_s)
 
     def __enter__(self):

@@ -68,6 +68,7 @@ DISPATCH_CONFIG = np.dtype(
         ("hidden", np.int32),
         ("max_tokens", np.int32),
         ("max_recv_rows", np.int32),
+        ("ranks_per_node", np.int32),
     ],
     align=True,
 )

@@ -16,6 +16,7 @@ COMBINE_SOURCE = "comm/combine.cu"
 ROWS_SOURCE = "comm/rows.cu"
 SWIGLU_SOURCE = "ffn/swiglu.cu"
 DISPATCH_SOURCE = "comm/dispatch.cu"
+STAGING_SOURCE = "comm/staging.cu"  # across nodes: around the off-node carrier, and the IPC test carrier
 FP8_GEMM_SOURCE = "gemm/grouped_gemm_fp8.cu"  # block-scaled e4m3 wgmma, the bf16 wgmma GEMM's structure
 FP8_QUANTIZE_SOURCE = "ffn/quantize_fp8.cu"
 
@@ -34,6 +35,7 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     "rows": (ROWS_SOURCE, {}),
     "swiglu": (SWIGLU_SOURCE, {}),
     "dispatch": (DISPATCH_SOURCE, {}),
+    "staging": (STAGING_SOURCE, {}),
 }
 
 

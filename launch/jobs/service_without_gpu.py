@@ -5,8 +5,9 @@
 agree: every rank builds the same MoEConfig; EPService must fail on every rank at device
 selection with RankFailedError saying there is no GPU. mismatch: rank 1's config differs;
 every rank must raise RankMismatchError naming the field, before any CUDA call. two-nodes:
-EPSERVE_RANKS_PER_NODE=1 makes each rank a node of its own; every rank must raise ConfigError
-(rows for another node are not built), before any CUDA call. Each rank prints one line
+EPSERVE_RANKS_PER_NODE=1 makes each rank a node of its own, and rank 1 names an unknown
+off-node carrier (EPSERVE_OFFNODE_CARRIER); every rank must raise ConfigError naming it, before
+any CUDA call. Each rank prints one line
 `rank R: <ExceptionClass>: <message>`."""
 
 import os
@@ -22,6 +23,8 @@ def main(mode: str) -> int:
     rank = comm.Get_rank()
     if mode == "two-nodes":
         os.environ["EPSERVE_RANKS_PER_NODE"] = "1"
+        if rank == 1:
+            os.environ["EPSERVE_OFFNODE_CARRIER"] = "pigeon"
     hidden = 512 if mode == "mismatch" and rank == 1 else 256
     cfg = MoEConfig(num_experts=8, top_k=2, hidden=hidden, intermediate=128, max_tokens_per_rank=64,
                     world_size=comm.Get_size())

@@ -137,6 +137,28 @@ def test_direct_launches_match_their_kernels(ptx, fakes, fuse_release, rejected)
     check(ptx, d.launches.specs)
 
 
+def test_direct_launches_across_nodes_match_their_kernels(ptx, fakes, monkeypatch):
+    """With an off-node part (epserve/comm/off_node.py): the same launches around the carrier,
+    then the off-node expand, whose arguments match its kernel too."""
+    from epserve.comm import off_node as off_mod
+
+    monkeypatch.setattr(off_mod.kernels, "function", lambda module, name: Function(name))
+    carried = []
+    fake = types.SimpleNamespace(
+        exchange_counts=lambda table: carried.append("counts"),
+        exchange_rows=lambda tokens, meta, status: carried.append("rows"),
+        expand_spec=lambda *a: off_mod.OffNode.expand_spec(None, *a))
+    d = direct_dispatcher(True, own_in_send=False)
+    d.off_node, d.status = fake, Device()
+    d._table = d._tokens = d._meta = types.SimpleNamespace(ptr=0x2000)
+    d.enqueue(Device((T, H)), Device((T, K)))
+    names = [spec[0].name for spec in d.launches.specs]
+    assert names == ["epserve_dispatch_route_count_publish", "epserve_dispatch_route_rank_layout",
+                     "epserve_dispatch_move", "epserve_dispatch_expand_off_node"]
+    assert carried == ["counts", "rows"]
+    check(ptx, d.launches.specs)
+
+
 def test_nccl_launches_match_their_kernels(ptx, fakes):
     n = nccl_mod.NcclDispatcher(None, None, rank=0, world=1, num_experts=E, top_k=K, hidden=H, max_tokens=T,
                                 max_recv_rows=T * K, dtype=np.uint16)
@@ -154,3 +176,50 @@ def test_nccl_launches_match_their_kernels(ptx, fakes):
     assert names == ["epserve_nccl_dispatch_count_publish", "epserve_nccl_dispatch_rank_layout",
                      "epserve_nccl_dispatch_pack", "epserve_nccl_dispatch_expand"]
     check(ptx, n.launches.specs)
+
+
+class Called:
+    """A kernel looked up by name whose calls are kept: fn(grid, block, args)."""
+
+    calls = []
+
+    def __init__(self, name):
+        self.name = name
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        Called.calls.append((self, grid, block, args, shared_mem))
+
+
+def test_off_node_launches_match_their_kernels(monkeypatch, tmp_path):
+    """The launches around the off-node carrier and the IPC test carrier's (cuda/comm/staging.cu)."""
+    from epserve.comm import carriers
+    from epserve.comm import off_node as off_mod
+    from epserve.comm.topology import NodeLayout
+
+    monkeypatch.setenv("EPSERVE_CACHE_DIR", str(tmp_path))
+    source, defines = kernels.VARIANTS["staging"]
+    staging_ptx = build.compile_source(source, defines).ptx.read_text()
+    monkeypatch.setattr(kernels, "function", lambda module, name: Called(name))
+    monkeypatch.setattr(off_mod, "i32", by_value)
+    monkeypatch.setattr(off_mod, "u64", lambda v: by_value(v, np.uint64))
+    Called.calls = []
+    o = off_mod.OffNode.__new__(off_mod.OffNode)
+    o.plan = off_mod.OffNodePlan(NodeLayout(4, 2), 1, E, K, H, H, T)
+    o.rank, o.world = 1, 4
+    o.signals = types.SimpleNamespace(local=lambda offset: 0x3000 + offset)
+    o.carrier = types.SimpleNamespace(exchange=lambda sends, recvs, status=None: None)
+    o._dispatch_staging = o._combine_staging = types.SimpleNamespace(ptr=0x4000)
+    o._landing = types.SimpleNamespace(ptr=0x5000)
+    o._groups = {}
+    o.exchange_counts(0x6000)
+    o.exchange_combine(Device((T, K)), T, K, H, E // 4, Device(), Device())
+    c = carriers.IpcTestCarrier.__new__(carriers.IpcTestCarrier)
+    c.rank, c.error_ptr, c.timeout_ns, c._groups = 1, 0x7000, 10**9, {}
+    c._flag_blocks, c._local, c._done = Device(), Device(), Device()
+    c._tables = lambda sends, recvs: (Device(), 1, Device(), 1, Device(), 2)
+    c.exchange([], [], Device())
+    names = [call[0].name for call in Called.calls]
+    assert names == ["epserve_off_node_counts_landed", "epserve_off_node_combine_land", "epserve_ipc_carrier_exchange"]
+    for fn, _, _, args, _ in Called.calls:
+        sizes = [8 if isinstance(a, Device) else np.asarray(a).nbytes for a in args]
+        assert sizes == param_sizes(staging_ptx, fn.name), fn.name

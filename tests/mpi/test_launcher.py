@@ -184,12 +184,11 @@ def test_service_config_mismatch_is_reported_on_every_rank_before_any_cuda_call(
         assert line.startswith("RankMismatchError: ranks disagree on MoEConfig: hidden: rank 0="), line
 
 
-def test_service_refuses_ranks_on_two_nodes_on_every_rank_before_any_cuda_call():
-    # EPSERVE_RANKS_PER_NODE=1 plays two nodes on one machine: IPC cannot reach another node,
-    # and the off-node transport is not built, so setup stops with the reason (issue 15).
+def test_service_refuses_an_unknown_off_node_carrier_on_every_rank_before_any_cuda_call():
+    # EPSERVE_RANKS_PER_NODE=1 plays two nodes on one machine; rank 1 names a carrier that does
+    # not exist, so every rank stops at setup with the reason (issue 15).
     for line in service_lines("two-nodes").values():
-        assert line.startswith("ConfigError: the 2 ranks span 2 nodes of 1"), line
-        assert "not built yet" in line, line
+        assert line.startswith("ConfigError: rank 1: EPSERVE_OFFNODE_CARRIER='pigeon'"), line
 
 
 def test_service_without_a_gpu_fails_on_every_rank_at_device_selection():

@@ -1,0 +1,347 @@
+"""Rows for ranks of other nodes (docs/design.md, "Across nodes"): a first version in which
+each rank sends each off-node rank its own rows, through the off-node carrier
+(epserve/comm/carriers.py: NCCL in production, an IPC imitation for tests on one machine).
+
+The idea: the kernels that store into a peer's memory stay as they are. For a rank d of
+another node, the peer addresses they are given point into a local *staging* buffer instead,
+laid out exactly as the slice of d's buffer this rank would have stored into, so the same
+bytes land in the same places; after the kernel, the carrier carries the slice to d, which
+lands it where the IPC stores would have put it. Hence the same slots, the same src_info and
+the same reduction order as on one node: bitwise the one-node result, fused and unfused.
+
+    dispatch   count + publish      this rank's count row into a staging row (and, over IPC,
+                                    into its node's tables)
+               carrier              count rows between the nodes' ranks, into the receivers'
+                                    count tables at the sender's row; a tiny kernel counts them
+                                    as arrived (count_arrive)
+               rank + layout, move  unchanged; the move's send stores each off-node
+                                    destination's token rows and routing into its staging block
+                                    (the receiver's token region block of this rank, moved
+                                    here); its expand takes this node's sources only
+               carrier              the token and routing blocks, into the receivers' token
+                                    regions at the sender's block
+               expand (off-node)    the other nodes' rows into the expert rows, no waits
+    combine    GEMM 2 / IPC push    rows whose home is on another node go to a staging copy of
+                                    that home's recv (same slot (t, j))
+               carrier              each staging copy to its home, into a landing block
+               land                 each slot of an off-node owner from its landing block into
+                                    recv; arrive[owner] counts them; then the usual reduction
+
+Waits that stood for "the peer released its buffers" (dispatch_ready, ready) are satisfied
+for off-node peers by stream order: staging is rewritten only after the carrier's send of it
+completed, and a receiver's landing areas are rewritten only by its own later carrier calls.
+The kernels' peer tables therefore point those counters at this rank's own (the release of a
+call advances them), and the arrival counters they add to for off-node peers at a scratch
+array nobody reads.
+
+Sizes are fixed (NCCL's are host arguments and the counts stay on the device), so every block
+travels whole, as the NCCL transport's do: per off-node peer and call, max_tokens token rows
+and their routing, a count row, and for the combine a whole recv copy, max_tokens * k rows
+(padding over the real rows: about W for uniform routing, as the NCCL combine's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cupy
+import numpy as np
+
+from epserve.comm import signals as sig
+from epserve.comm.carriers import Recv, Send
+from epserve.comm.topology import NodeLayout
+from epserve.runtime import kernels
+from epserve.runtime.kernel_structs import i32, u64
+
+U64 = 8
+
+
+def _align16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+@dataclass(frozen=True)
+class OffNodePlan:
+    """Which ranks are off-node for `rank`, the staging layout and the proxy addresses: pure
+    arithmetic, the same on every rank (tests/cpu/test_off_node.py).
+
+    hidden: the dispatch row's width in bf16 elements (the FP8 packed row's half width with
+    FP8 experts); combine_hidden: GEMM 2's output width."""
+
+    layout: NodeLayout
+    rank: int
+    num_experts: int
+    top_k: int
+    hidden: int
+    combine_hidden: int
+    max_tokens: int
+
+    @property
+    def world(self) -> int:
+        return self.layout.world
+
+    @property
+    def R(self) -> int:
+        return self.layout.ranks_per_node
+
+    @property
+    def peers(self) -> list[int]:
+        """The ranks of the other nodes, ascending: block p of the staging is peers[p]'s."""
+        return [d for d in range(self.world) if not self.layout.same_node(self.rank, d)]
+
+    def block_of(self, sender: int, dest: int) -> int:
+        """The block index of off-node rank `dest` in rank `sender`'s staging (also
+        cuda/comm/staging.cu off_node_block)."""
+        start = sender // self.R * self.R
+        assert not self.layout.same_node(sender, dest), (sender, dest)
+        return dest if dest < start else dest - self.R
+
+    def block(self, d: int) -> int:
+        return self.block_of(self.rank, d)
+
+    # ---- dispatch staging: [count row][tokens block p][meta block p] for each off-node p
+    @property
+    def count_row_ints(self) -> int:
+        return self.num_experts + self.world + 1  # rows per expert, tokens per destination, error code
+
+    @property
+    def meta_len(self) -> int:
+        return 1 + 2 * self.top_k
+
+    @property
+    def tokens_block_bytes(self) -> int:
+        return self.max_tokens * self.hidden * 2
+
+    @property
+    def meta_block_bytes(self) -> int:
+        return self.max_tokens * self.meta_len * 4
+
+    def tokens_offset(self, p: int) -> int:
+        return _align16(self.count_row_ints * 4) + p * (self.tokens_block_bytes + _align16(self.meta_block_bytes))
+
+    def meta_offset(self, p: int) -> int:
+        return self.tokens_offset(p) + self.tokens_block_bytes
+
+    @property
+    def dispatch_staging_bytes(self) -> int:
+        return self.tokens_offset(len(self.peers))
+
+    # ---- combine staging and landing: a [max_tokens, k, H] recv copy per off-node peer
+    @property
+    def combine_block_bytes(self) -> int:
+        return self.max_tokens * self.top_k * self.combine_hidden * 2
+
+    @property
+    def combine_staging_bytes(self) -> int:
+        return len(self.peers) * self.combine_block_bytes
+
+    # ---- the kernels' peer tables, with off-node entries pointing here
+    def dispatch_tables(self, *, count_table, tokens, meta, count_arrive, ready, staging: int, scratch: int,
+                        my_dispatch_ready: int) -> dict:
+        """DispatchConfig's per-rank tables (lists of addresses by rank, as IPC maps them; 0
+        for off-node ranks) with every off-node entry replaced: count_table, tokens and meta
+        so that the kernels' `table[d] + this rank's part` lands in the staging (count row,
+        d's tokens and meta blocks); count_arrive at the scratch; ready so that `ready[d] +
+        rank` is this rank's own dispatch_ready[d] (advanced by its own release)."""
+        r, out = self.rank, {}
+        out["count_table"] = list(count_table)
+        out["tokens"], out["meta"] = list(tokens), list(meta)
+        out["count_arrive"], out["ready"] = list(count_arrive), list(ready)
+        for d in self.peers:
+            p = self.block(d)
+            out["count_table"][d] = staging - r * self.count_row_ints * 4
+            out["tokens"][d] = staging + self.tokens_offset(p) - r * self.tokens_block_bytes
+            out["meta"][d] = staging + self.meta_offset(p) - r * self.meta_block_bytes
+            out["count_arrive"][d] = scratch - r * U64
+            out["ready"][d] = my_dispatch_ready + (d - r) * U64
+        return out
+
+    def chunk_arrive_table(self, chunk_arrive, chunk_scratch: int) -> list[int]:
+        """The move kernel's per-rank arrival counters ([W][max_chunks] each): off-node entries
+        at a local scratch of that shape."""
+        out = list(chunk_arrive)
+        for d in self.peers:
+            out[d] = chunk_scratch
+        return out
+
+    def send_tables(self, *, recv, arrive, staging: int, scratch: int) -> dict:
+        """PeerSendConfig's recv and arrive: recv[d] of an off-node d is its block of the
+        combine staging (slot (t, j) at the same place as in d's recv), arrive[d] the scratch."""
+        out = {"recv": list(recv), "arrive": list(arrive)}
+        for d in self.peers:
+            out["recv"][d] = staging + self.block(d) * self.combine_block_bytes
+            out["arrive"][d] = scratch - self.rank * U64
+        return out
+
+    def ready_table(self, ready, my_ready: int) -> list[int]:
+        """The reduction's release table (each rank's `ready` as mapped here): for an off-node
+        d, `ready[d] + rank` is this rank's own ready[d]."""
+        out = list(ready)
+        for d in self.peers:
+            out[d] = my_ready + (d - self.rank) * U64
+        return out
+
+    # ---- the carrier's groups
+    def count_group(self, staging, count_table: int):
+        """Sends and receives of the count rows: this rank's to every off-node rank, theirs
+        into this rank's count table at their rows."""
+        n = self.count_row_ints * 4
+        sends = [Send(d, staging, 0, n) for d in self.peers]
+        recvs = [Recv(s, count_table + s * n, n, staging, 0) for s in self.peers]
+        return sends, recvs
+
+    def rows_group(self, staging, tokens: int, meta: int):
+        """The token and routing blocks: this rank's staging blocks to their ranks, theirs into
+        this rank's token regions and routing at their blocks (tokens, then routing, per peer)."""
+        sends, recvs = [], []
+        for d in self.peers:
+            p = self.block(d)
+            sends += [Send(d, staging, self.tokens_offset(p), self.tokens_block_bytes),
+                      Send(d, staging, self.meta_offset(p), self.meta_block_bytes)]
+        for s in self.peers:
+            q = self.block_of(s, self.rank)  # this rank's block in s's staging
+            recvs += [Recv(s, tokens + s * self.tokens_block_bytes, self.tokens_block_bytes, staging,
+                           self.tokens_offset(q)),
+                      Recv(s, meta + s * self.meta_block_bytes, self.meta_block_bytes, staging, self.meta_offset(q))]
+        return sends, recvs
+
+    def combine_group(self, staging, landing: int):
+        """Each off-node home's recv copy to it; each off-node owner's copy of this rank's recv
+        into its landing block."""
+        n = self.combine_block_bytes
+        sends = [Send(d, staging, self.block(d) * n, n) for d in self.peers]
+        recvs = [Recv(s, landing + self.block(s) * n, n, staging, self.block_of(s, self.rank) * n)
+                 for s in self.peers]
+        return sends, recvs
+
+
+class OffNode:
+    """One rank's off-node state: the plan, the carrier, the staging and landing buffers, and
+    the launches around the carrier. Made collectively at setup (allocations in rank-agreed
+    order) when the ranks span more than one node."""
+
+    def __init__(self, plan: OffNodePlan, carrier, signals, wait_timeout_s: float):
+        self.plan, self.carrier, self.signals = plan, carrier, signals
+        self.rank, self.world = plan.rank, plan.world
+        self.timeout_ns = int(wait_timeout_s * 1e9)
+        self._scratch = cupy.zeros(max(2, self.world), np.uint64)  # arrival counters nobody reads
+        self._dispatch_staging = carrier.staging(plan.dispatch_staging_bytes)
+        self._combine_staging = carrier.staging(plan.combine_staging_bytes)
+        self._landing = cupy.cuda.alloc(max(16, plan.combine_staging_bytes))
+        self._chunk_scratch = None  # the move kernel's off-node arrival counters, sized by the dispatcher
+        self._groups = {}
+
+    # ---- addresses for the dispatcher's and the combiner's kernel structs
+    def dispatch_tables(self, **tables) -> dict:
+        return self.plan.dispatch_tables(**tables, staging=self._dispatch_staging.ptr, scratch=self._scratch.data.ptr,
+                                         my_dispatch_ready=self.signals.local(sig.DISPATCH_READY))
+
+    def chunk_arrive_table(self, chunk_arrive, max_chunks: int) -> list[int]:
+        if self._chunk_scratch is None:
+            self._chunk_scratch = cupy.zeros(self.world * max_chunks, np.uint64)
+        return self.plan.chunk_arrive_table(chunk_arrive, self._chunk_scratch.data.ptr)
+
+    def send_tables(self, recv, arrive) -> dict:
+        return self.plan.send_tables(recv=recv, arrive=arrive, staging=self._combine_staging.ptr,
+                                     scratch=self._scratch.data.ptr)
+
+    def ready_table(self, ready) -> list[int]:
+        return self.plan.ready_table(ready, self.signals.local(sig.READY))
+
+    # ---- the dispatch
+    def exchange_counts(self, count_table: int) -> None:
+        """After count + publish: the count rows cross, then count as arrived."""
+        key = ("counts", count_table)
+        if key not in self._groups:
+            self._groups[key] = self.plan.count_group(self._dispatch_staging, count_table)
+        self.carrier.exchange(*self._groups[key])  # no status: it is the previous call's until the layout
+        fn = kernels.function("staging", "epserve_off_node_counts_landed")
+        fn((1,), (32,), (u64(self.signals.local(sig.COUNT_ARRIVE)), i32(self.rank), i32(self.world), i32(self.plan.R),
+                         u64(self.signals.local(sig.ERROR))))
+
+    def exchange_rows(self, tokens: int, meta: int, status) -> None:
+        """After the move kernel: the token and routing blocks cross."""
+        key = ("rows", tokens, meta)
+        if key not in self._groups:
+            self._groups[key] = self.plan.rows_group(self._dispatch_staging, tokens, meta)
+        self.carrier.exchange(*self._groups[key], status=status)
+
+    def expand_spec(self, cfg, base, rows, src_info, expert_offsets, blocks: int) -> tuple:
+        """The launch that expands the other nodes' rows (cuda/comm/dispatch.cu)."""
+        fn = kernels.function("dispatch", "epserve_dispatch_expand_off_node")
+        return (fn, (blocks,), (256,), (cfg, base, rows, src_info, expert_offsets), 0)
+
+    # ---- the combine
+    def exchange_combine(self, topk_idx, T: int, k: int, H: int, experts_per_rank: int, recv, status) -> None:
+        """After GEMM 2 (or the IPC push): each staged recv copy to its home, then the landing
+        of this rank's slots served on other nodes into recv, counted in arrive."""
+        key = ("combine", int(self._landing.ptr))
+        if key not in self._groups:
+            self._groups[key] = self.plan.combine_group(self._combine_staging, int(self._landing.ptr))
+        self.carrier.exchange(*self._groups[key], status=status)
+        if T == 0:
+            return
+        fn = kernels.function("staging", "epserve_off_node_combine_land")
+        blocks = max(1, min(1024, (T * k + 7) // 8))
+        fn((blocks,), (256,), (u64(int(self._landing.ptr)), topk_idx, i32(T), i32(k), i32(H), i32(experts_per_rank),
+                               i32(self.plan.max_tokens), i32(self.rank), i32(self.world), i32(self.plan.R), recv,
+                               u64(self.signals.local(sig.ARRIVE)), i32(H // 64),
+                               status if status is not None else u64(0)))
+
+    def quiesce(self, timeout_s: float) -> bool:
+        """close(): wait at most timeout_s for the current stream's work; when it does not end
+        (an off-node peer is stuck, and NCCL's waits are not bounded), abort the carrier so
+        that NCCL's kernels return. True when the work ended by itself."""
+        import time
+
+        event = cupy.cuda.Event(block=False, disable_timing=True)
+        event.record()
+        deadline = time.monotonic() + timeout_s
+        while not event.done:
+            if time.monotonic() > deadline:
+                self.carrier.abort()
+                return False
+            time.sleep(0.001)
+        return True
+
+
+
+
+def agree_carrier(comm, layout: NodeLayout) -> str | None:
+    """Collective, at setup, before any CUDA call: None on one node, else the off-node carrier
+    EPSERVE_OFFNODE_CARRIER names, the same on every rank, or ConfigError on every rank."""
+    from epserve.comm.carriers import CARRIER_ENV, carrier_name
+    from epserve.errors import ConfigError
+
+    if layout.nodes == 1:
+        return None
+    try:
+        name, error = carrier_name(), None
+    except ConfigError as exc:
+        name, error = None, str(exc)
+    seen = comm.allgather((name, error))
+    bad = [(r, e) for r, (_, e) in enumerate(seen) if e]
+    if bad:
+        raise ConfigError("; ".join(f"rank {r}: {e}" for r, e in bad))
+    names = {n for n, _ in seen}
+    if len(names) > 1:
+        raise ConfigError(f"the ranks name different off-node carriers ({CARRIER_ENV}): {[n for n, _ in seen]}")
+    return names.pop()
+
+
+def make_off_node(comm, group, signals, layout: NodeLayout, carrier: str | None, *, num_experts: int, top_k: int,
+                  hidden: int, combine_hidden: int, max_tokens: int, wait_timeout_s: float, nccl_comm,
+                  shared_gpu: bool):
+    """Collective, at setup: None on one node (carrier None), else this rank's OffNode with
+    that carrier (agree_carrier); ConfigError on every rank when it cannot run here."""
+    import socket
+
+    from epserve.comm.carriers import make_carrier
+
+    if carrier is None:
+        return None
+    hosts_differ = len(set(comm.allgather(socket.gethostname()))) > 1
+    impl = make_carrier(carrier, group=group, nccl_comm=nccl_comm, shared_gpu=shared_gpu, hosts_differ=hosts_differ,
+                        error_ptr=signals.local(sig.ERROR), timeout_ns=int(wait_timeout_s * 1e9))
+    plan = OffNodePlan(layout, comm.Get_rank(), num_experts, top_k, hidden, combine_hidden, max_tokens)
+    return OffNode(plan, impl, signals, wait_timeout_s)

@@ -1,0 +1,136 @@
+"""Across nodes (issue 15; docs/design.md, "Across nodes"), run under the launcher with a
+forced node size:
+
+    EPSERVE_OFFNODE_CARRIER=ipc python launch/run.py -n 4 --share-gpu -- \
+        python -m mpi4py launch/jobs/check_off_node.py --ranks-per-node 2
+
+Per service shape (check_service.py's), several calls with different token counts, first on
+one node (EPSERVE_RANKS_PER_NODE unset), then with --ranks-per-node R (the rows for the other
+"nodes" staged and moved by the off-node carrier, EPSERVE_OFFNODE_CARRIER): the fused forward
+(direct dispatch, peer sink), the unfused one (direct dispatch, null sink, C pushed), every
+used recv slot and the direct dispatch's rows, expert_offsets and src_info are bitwise the
+one-node run's; fused == unfused bitwise; the float64 reference within 1e-2; every output
+element written. Where every rank has its own GPU, the NCCL dispatch (with both sinks) gives the
+same bits too. Then check_service's bad inputs on the multi-node service: every rank raises,
+and the service goes on giving the same bits. Prints `RESULT {json}` lines; exits non-zero if
+any check failed on any rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import cupy
+import numpy as np
+from check_service import SHAPES, bad_inputs, experts_for, tokens_for  # siblings of this script
+from job_report import report
+
+from epserve import EPService, MoEConfig
+from epserve.check.reference import reference_layer, rel_error
+from epserve.check.testing import BF16, bf16_bits, layer_inputs
+from epserve.comm import mpi as ep_comm
+from epserve.comm.topology import RANKS_PER_NODE_ENV
+
+
+def run_calls(svc, comm, calls, E, k, H, I, opts, seed):
+    """Every call's results as host arrays, and the inputs of the first call."""
+    rank, world = comm.Get_rank(), comm.Get_size()
+    results, first = [], None
+    for n, call in enumerate(calls):
+        inputs = layer_inputs(seed + n, tokens_for(call, world), E, k, H, I, **opts)
+        me = inputs[rank]
+        x, idx, w = cupy.asarray(me.x), cupy.asarray(me.topk_idx), cupy.asarray(me.topk_weights)
+        w13, w2 = cupy.asarray(me.w13), cupy.asarray(me.w2)
+        T = x.shape[0]
+        used = cupy.asnumpy(idx) >= 0
+        out = cupy.full((T, H), np.nan, BF16)  # poisoned: every element must be overwritten
+        r = {"inputs": inputs}
+        r["fused"] = bf16_bits(svc.forward(x, idx, w, w13, w2, sink="peer", dispatch="direct", out=out))
+        r["recv_fused"] = bf16_bits(svc.combiner.recv)[:T][used]
+        r["unfused"] = bf16_bits(svc.forward(x, idx, w, w13, w2, sink="null", dispatch="direct"))
+        r["recv_unfused"] = bf16_bits(svc.combiner.recv)[:T][used]
+        d = svc.dispatch(x, idx, w, transport="direct")
+        r["dispatch"] = {f: cupy.asnumpy(getattr(d, f)).view(np.uint8) for f in ("rows", "expert_offsets", "src_info")}
+        if not svc.shared_gpu:  # the NCCL dispatch (pure NCCL, crosses nodes itself), both sinks
+            r["nccl_unfused"] = bf16_bits(svc.forward(x, idx, w, w13, w2, sink="null", dispatch="nccl"))
+            r["nccl_fused"] = bf16_bits(svc.forward(x, idx, w, w13, w2, sink="peer", dispatch="nccl"))
+        svc.check()
+        results.append(r)
+        if n == 0:
+            first = (x, idx, w, w13, w2)
+    return results, first
+
+
+def run_shape(comm, name, H, I, E, k, calls, opts, seed, ranks_per_node):
+    world = comm.Get_size()
+    E = experts_for(E, world)
+    max_tokens = max(max(tokens_for(c, world)) for c in calls)
+    cfg = MoEConfig(E, k, H, I, max_tokens, world_size=world, wait_timeout_s=20.0)
+    failures, info = [], {"calls": len(calls)}
+    os.environ.pop(RANKS_PER_NODE_ENV, None)
+    with EPService(cfg, comm) as svc:  # one node: the reference run
+        if svc.off_node is not None:
+            return [f"the one-node service has an off-node part ({svc.nodes})"], info
+        one, _ = run_calls(svc, comm, calls, E, k, H, I, opts, seed)
+    os.environ[RANKS_PER_NODE_ENV] = str(ranks_per_node)
+    with EPService(cfg, comm) as svc:
+        info.update(nodes=svc.nodes.nodes, carrier=svc.off_node and svc.off_node.carrier.name,
+                    transport=svc.transport)
+        if svc.off_node is None:
+            return [f"EPSERVE_RANKS_PER_NODE={ranks_per_node} gave one node"], info
+        many, first = run_calls(svc, comm, calls, E, k, H, I, opts, seed)
+        for n, (a, b) in enumerate(zip(one, many)):
+            for field in ("fused", "unfused", "recv_fused", "recv_unfused"):
+                if not np.array_equal(a[field], b[field]):
+                    failures.append(f"call {n}: {field} differs from the one-node run "
+                                    f"({int((a[field] != b[field]).sum())} elements)")
+            for field, bits in a["dispatch"].items():
+                if not np.array_equal(bits, b["dispatch"][field]):
+                    failures.append(f"call {n}: the direct dispatch's {field} differs from the one-node run")
+            if not np.array_equal(b["fused"], b["unfused"]):
+                failures.append(f"call {n}: fused != unfused across nodes")
+            for field in ("nccl_unfused", "nccl_fused"):
+                if field in b and not np.array_equal(b[field], b["fused"]):
+                    failures.append(f"call {n}: {field} != fused across nodes")
+            if np.isnan(b["fused"].view(BF16).astype(np.float32)).any():
+                failures.append(f"call {n}: the fused output has unwritten (poisoned) elements")
+            inputs, rank = b["inputs"], comm.Get_rank()
+            if inputs[rank].x.shape[0]:
+                ref = reference_layer([i.x for i in inputs], [i.topk_idx for i in inputs],
+                                      [i.topk_weights for i in inputs], [i.w13 for i in inputs],
+                                      [i.w2 for i in inputs], E)[rank]
+                err = rel_error(b["fused"].view(BF16).astype(np.float64), ref["out"])
+                info[f"rel_err_call{n}"] = err
+                if not err < 1e-2:
+                    failures.append(f"call {n}: relative error {err:.3g} vs the float64 reference")
+        failures += bad_inputs(comm, svc, cfg, first, many[0]["fused"])
+    os.environ.pop(RANKS_PER_NODE_ENV, None)
+    return failures, info
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--ranks-per-node", type=int, required=True)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--shapes", type=int, default=len(SHAPES), help="the first N of check_service's shapes")
+    args = p.parse_args()
+    comm = ep_comm.world()
+    rank = comm.Get_rank()
+    shapes = SHAPES[: args.shapes]
+    if rank == 0:
+        print(f"# cases: {len(shapes)}", flush=True)
+    bad = 0
+    for n, (name, H, I, E, k, calls, opts) in enumerate(shapes):
+        failures, info = run_shape(comm, name, H, I, E, k, calls, opts, args.seed + 10 * n, args.ranks_per_node)
+        bad += bool(failures)
+        report(comm, dict(case=name, rank=rank, ok=not failures, failures=failures, **info))
+    total = comm.allreduce(bad)
+    if rank == 0:
+        print(f"# check_off_node: {'all cases passed' if not total else f'{total} failing case-ranks'}", flush=True)
+    return 1 if total else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Across nodes on one machine (issue 15; docs/design.md, "Across nodes"): EPSERVE_RANKS_PER_NODE
+plays several nodes, and launch/jobs/check_off_node.py checks that the forced multi-node run is
+bitwise the one-node run (fused, unfused, recv slots, the dispatch), fused == unfused, the
+float64 reference, and the bad inputs. The carrier:
+- ipc: the TEST carrier that imitates the network over CUDA IPC, so every rank may share one
+  GPU (NCCL refuses two ranks on one GPU);
+- nccl: the production carrier, one GPU per rank (skipped with fewer than two GPUs)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from epserve.runtime.gpu_probe import gpu_count
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
+
+
+def explain(proc):
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+
+
+def run_off_node(ranks: int, ranks_per_node: int, carrier: str, share_gpu: bool, shapes: int | None = None):
+    cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "-n", str(ranks), "--timeout", "300"]
+    cmd += ["--share-gpu"] if share_gpu else []
+    cmd += ["--", sys.executable, "-m", "mpi4py", str(ROOT / "launch" / "jobs" / "check_off_node.py"),
+            "--ranks-per-node", str(ranks_per_node)]
+    cmd += ["--shapes", str(shapes)] if shapes else []
+    env = dict(os.environ, EPSERVE_OFFNODE_CARRIER=carrier)
+    env.pop("EPSERVE_RANKS_PER_NODE", None)  # the job sets it itself, after its one-node run
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=360, cwd=ROOT, env=env)
+    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    planned = [int(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("# cases:")]
+    return proc, results, planned
+
+
+def check(proc, results, planned, ranks, carrier, nodes):
+    failures = [r for r in results if not r["ok"]]
+    assert proc.returncode == 0 and not failures, explain(proc)
+    assert planned and len(results) == ranks * planned[0], explain(proc)
+    assert {(r["carrier"], r["nodes"]) for r in results} == {(carrier, nodes)}, results
+
+
+# (ranks, ranks per node, carrier, all on one GPU)
+CASES = [
+    pytest.param(2, 1, "ipc", True, id="2-nodes-of-1-ipc-1-gpu"),
+    pytest.param(4, 2, "ipc", True, id="2-nodes-of-2-ipc-1-gpu"),
+    pytest.param(4, 2, "ipc", False, id="2-nodes-of-2-ipc-2-gpus"),
+    pytest.param(2, 1, "nccl", False, id="2-nodes-of-1-nccl-2-gpus"),
+]
+
+
+@pytest.mark.parametrize("ranks,ranks_per_node,carrier,share_gpu", CASES)
+def test_forced_nodes_are_bitwise_the_one_node_run(ranks, ranks_per_node, carrier, share_gpu):
+    if not share_gpu and gpu_count() < 2:
+        pytest.skip("needs two GPUs")
+    proc, results, planned = run_off_node(ranks, ranks_per_node, carrier, share_gpu)
+    check(proc, results, planned, ranks, carrier, ranks // ranks_per_node)
+
+
+def test_nccl_carrier_is_refused_where_ranks_share_a_gpu():
+    """NCCL cannot put two ranks on one GPU: every rank refuses at setup, naming the test carrier."""
+    proc, results, _ = run_off_node(2, 1, "nccl", True, shapes=1)
+    assert proc.returncode != 0 or any(not r["ok"] for r in results), explain(proc)
+    assert "EPSERVE_OFFNODE_CARRIER=ipc is the test carrier" in proc.stdout + proc.stderr, explain(proc)
