@@ -349,7 +349,7 @@ class EPService:
 
         Host time: the default path (direct dispatch, peer sink) records its launches at the
         first call of a token count, stream and set of weights (by address), and later such
-        calls replay them with only the per-call arrays' addresses rewritten
+        calls (on one node) replay them with only the per-call arrays' addresses rewritten
         (epserve/runtime/replay.py): the same kernels and bits for less host time.
 
         Synchronization: the work goes on the current CuPy stream, and out is ready when that
@@ -401,7 +401,8 @@ class EPService:
         except ConfigError as exc:
             self._stand_in(out, check, dispatch, sink)
             raise exc
-        if dispatch == "direct" and sink == "peer" and self.replay_forward:
+        # Across nodes the carrier's NCCL calls are not launches a recording could replay.
+        if dispatch == "direct" and sink == "peer" and self.replay_forward and self.off_node is None:
             out = self._forward_replayed(x, topk_idx, topk_weights, w13, w2, out)
         else:
             out = self._forward_launches(x, topk_idx, topk_weights, w13, w2, sink, dispatch, out)
