@@ -18,9 +18,27 @@ namespace epserve {
 constexpr int kFp8BlockK = 128;  // k-block of the scales: one 128-byte row of a stage
 
 // part = a[64 rows, k-block] . b[128 rows, k-block]^T, both 128-byte swizzled K-major tiles
-// of one stage; returns when the tensor cores are done with the stage's bytes and `part`.
-// The whole wgmma bracket is in here, so a caller's branch never splits one (ptxas
-// serializes every wgmma of a kernel where a bracket straddles a branch).
+// of one stage, in two steps: k_block_mma_issue issues the four wgmmas as one group;
+// k_block_wait<n> returns when at most n groups are pending, and fences `part` (the group
+// that wrote it must be the older one). A caller that keeps one k-block's wgmmas in flight
+// while it promotes the previous one (EPSERVE_GEMM_FP8_OVERLAP) calls them apart, with the
+// same bracket and waits on every path (ptxas serializes every wgmma of a kernel where a
+// wait sits on a path of its own, or a bracket straddles a branch).
+__device__ __forceinline__ void k_block_mma_issue(float (&part)[64], const unsigned char* a, const unsigned char* b) {
+  fence_operands(part);  // the last promotion's reads of part stay before the fence
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kFp8BlockK / 32; ++kk)
+    wgmma_m64n128k32_e4m3(part, smem_desc_sw128(a + kk * 32), smem_desc_sw128(b + kk * 32), kk != 0);
+  wgmma_commit();
+}
+template <int kPending>
+__device__ __forceinline__ void k_block_wait(float (&part)[64]) {
+  wgmma_wait<kPending>();
+  fence_operands(part);  // the promotion's reads of part after the wait
+}
+
+// Both steps: returns when the tensor cores are done with the stage's bytes and `part`.
 // kIssue = false (a diagnostic build, EPSERVE_GEMM_FP8_MMA=0): no wgmma at all, part = 0.
 template <bool kIssue = true>
 __device__ __forceinline__ void k_block_mma(float (&part)[64], const unsigned char* a, const unsigned char* b) {
@@ -28,14 +46,8 @@ __device__ __forceinline__ void k_block_mma(float (&part)[64], const unsigned ch
 #pragma unroll
     for (int i = 0; i < 64; ++i) part[i] = 0.f;
   } else {
-    fence_operands(part);  // the last promotion's reads of part stay before the fence
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kFp8BlockK / 32; ++kk)
-      wgmma_m64n128k32_e4m3(part, smem_desc_sw128(a + kk * 32), smem_desc_sw128(b + kk * 32), kk != 0);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_operands(part);  // and the next promotion's after the wait
+    k_block_mma_issue(part, a, b);
+    k_block_wait<0>(part);
   }
 }
 

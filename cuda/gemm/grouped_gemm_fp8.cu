@@ -65,6 +65,42 @@
 // - EPSERVE_GEMM_FP8_UNALIGNED_SCALES=1: the A-scale box starts at the tile's first row
 //   itself, as the first version did (the same values land in the same places): the build
 //   that reproduces the first GPU run's fault if an unaligned start was its cause.
+// Experimental builds (launch/jobs/time_gemm_fp8.py --variants times them against the
+// default; tests/gpu/test_gemm_fp8.py holds each to the default's bits):
+// - EPSERVE_GEMM_FP8_SPLIT_TAILS=1: a tile whose real rows all lie in its first 64 (an
+//   expert's tail) is computed by both consumer warpgroups, each on one 128-column half of
+//   the same 64 rows, instead of by the first warpgroup alone on both halves while the
+//   second idles. The default's lone warpgroup leaves the tensor pipe idle during each of
+//   its waits and promotions (nothing else issues wgmmas); split, the two warpgroups fill
+//   each other's gaps as they do on whole tiles. At dsv3-prefill, balanced routing, 65 of
+//   rank 0's 321 m-tiles are such tails (11% of the MMA work). Same bits: each output
+//   element comes from the same wgmma instruction (m64n128k32, same descriptors: the same
+//   A rows and B half of the same stage) and the same promotion fma with the same scale
+//   product, k-block by k-block in the same order; only which warpgroup's registers hold
+//   it changes. GEMM 1 (SwiGLU): the second warpgroup computes the up half and hands its
+//   sums to the first through shared memory, rounded to bf16 (the epilogue's first step
+//   rounds them to bf16 anyway, and a bf16 value widened to fp32 rounds back to itself),
+//   and the first warpgroup runs the unchanged epilogue.
+// - EPSERVE_GEMM_FP8_BN=128 (GEMM 2 only): 128 x 128 tiles. Each warpgroup's share is one
+//   64 x 128 part; 16 KB B stages, a 34 KB output tile, so 5 stages instead of 3. Same bits:
+//   an output element's wgmmas and promotions do not depend on the tile's width (the same
+//   instruction on the same rows of A and B, the same scales, the same k order).
+// - EPSERVE_GEMM_FP8_OVERLAP=1: where a warpgroup computes one 128-column half (every tile
+//   with BN=128; split tails), it keeps k-block kt + 1's wgmmas in flight while it promotes
+//   k-block kt (a second part, wgmma.wait_group 1), so the tensor pipe has work during the
+//   promotion; a stage is freed after its k-block's wait, as before. Sum (64) and two parts
+//   (64 each) fit where the 128 x 256 tile's sum (128) and one part do. Same bits: the same
+//   wgmmas into a fresh part, the same promotion fma, k-blocks promoted in the same order;
+//   only the time at which each is issued moves.
+#ifndef EPSERVE_GEMM_FP8_SPLIT_TAILS
+#define EPSERVE_GEMM_FP8_SPLIT_TAILS 0
+#endif
+#ifndef EPSERVE_GEMM_FP8_BN
+#define EPSERVE_GEMM_FP8_BN 256
+#endif
+#ifndef EPSERVE_GEMM_FP8_OVERLAP
+#define EPSERVE_GEMM_FP8_OVERLAP 0
+#endif
 #ifndef EPSERVE_GEMM_FP8_TMA_LOADS
 #define EPSERVE_GEMM_FP8_TMA_LOADS 7
 #endif
@@ -84,7 +120,9 @@ using Sink = EPSERVE_SINK;
 using namespace epserve;
 constexpr bool kSwiGLU = EPSERVE_GEMM_SWIGLU != 0;
 static_assert(!(kSwiGLU && Sink::kEnabled), "GEMM 1 keeps act on this GPU: its sink is the null one");
-constexpr int kBM = 128, kBN = 256, kBK = kFp8BlockK;  // kBN: accumulator columns of a tile
+constexpr int kBM = 128, kBN = EPSERVE_GEMM_FP8_BN, kBK = kFp8BlockK;  // kBN: accumulator columns of a tile
+static_assert(kBN == 256 || (kBN == 128 && !kSwiGLU), "EPSERVE_GEMM_FP8_BN: 256, or 128 for GEMM 2 (GEMM 1's tile "
+                                                      "holds a whole 128-column act block: 256 accumulator columns)");
 constexpr int kHalfN = 128;  // columns of one part, and of one weight scale block
 constexpr int kOutCols = kSwiGLU ? kBN / 2 : kBN;
 constexpr int kConsumers = 2, kConsumerThreads = 128 * kConsumers;
@@ -112,6 +150,14 @@ constexpr bool kLoadA = kLoads & 1, kLoadScales = kLoads & 2, kLoadB = kLoads & 
 constexpr bool kMma = EPSERVE_GEMM_FP8_MMA != 0;
 constexpr bool kCheckTma = EPSERVE_GEMM_FP8_CHECK_TMA != 0;
 constexpr bool kUnalignedScales = EPSERVE_GEMM_FP8_UNALIGNED_SCALES != 0;
+constexpr bool kSplitTails = EPSERVE_GEMM_FP8_SPLIT_TAILS != 0 && kBN == 256;  // (a 128-wide tile has one half)
+constexpr bool kOverlap = EPSERVE_GEMM_FP8_OVERLAP != 0;
+static_assert(!kOverlap || kMma, "EPSERVE_GEMM_FP8_OVERLAP needs the wgmmas (EPSERVE_GEMM_FP8_MMA=1)");
+static_assert(!kOverlap || kBN == 128 || EPSERVE_GEMM_FP8_SPLIT_TAILS, "EPSERVE_GEMM_FP8_OVERLAP acts on tiles a "
+              "warpgroup computes one half of: build it with EPSERVE_GEMM_FP8_BN=128 or EPSERVE_GEMM_FP8_SPLIT_TAILS=1");
+// Named barriers of the split tails' GEMM 1 epilogue (0 is __syncthreads; 2 and 3 are the
+// mailbox's, 4 the peer sink's send warps').
+constexpr int kSplitBarrierConsumers = 5, kSplitBarrierFirst = 6;
 
 // The finished tile in shared memory. GEMM 2: kBM rows of kOutCols bf16, each row padded by
 // 16 bytes (bank spread; the peer sink reads rows by stride), as in the bf16 kernel. GEMM 1:
@@ -148,6 +194,37 @@ struct alignas(64) TensorMap {
 // The column where a tile's A-scale box starts: its first row rounded down to 16 bytes.
 __device__ __forceinline__ int scale_box_col(int m_abs) {
   return kUnalignedScales ? m_abs : m_abs & ~(kScaleAlign - 1);
+}
+
+// GEMM 2's epilogue: sum's first kBlocks n8 blocks to the bf16 output tile. n8 block j:
+// values 4j, 4j+1 at (row, col0 + 8j, +1), 4j+2, 4j+3 at row + 8.
+template <int kBlocks>
+__device__ __forceinline__ void store_bf16_tile_rows(unsigned char* out_tile, const float (&sum)[128], int row,
+                                                     int col0) {
+#pragma unroll
+  for (int j = 0; j < kBlocks; ++j) {
+    *reinterpret_cast<uint32_t*>(out_tile + OutTile::byte_offset(row, col0 + 8 * j)) =
+        pack_bf16x2(sum[4 * j], sum[4 * j + 1]);
+    *reinterpret_cast<uint32_t*>(out_tile + OutTile::byte_offset(row + 8, col0 + 8 * j)) =
+        pack_bf16x2(sum[4 * j + 2], sum[4 * j + 3]);
+  }
+}
+
+// GEMM 1's epilogue: SwiGLU and act's quantization of the thread's rows (row, row + 8) into
+// the output tile and their scales. The row goes through an empty asm: otherwise the
+// compiler keeps the 32 swizzled store addresses in registers across the tile loop, and
+// they spill.
+__device__ __forceinline__ void store_act_rows(unsigned char* out_tile, float* out_scales, const float (&sum)[128],
+                                               int row, int lane) {
+  int erow = row;
+  asm volatile("" : "+r"(erow));
+  const float2 s = swiglu_quantize(sum, lane, [&](int dr, int col, uint16_t v) {
+    *reinterpret_cast<uint16_t*>(out_tile + OutTile::byte_offset(erow + dr, col)) = v;
+  });
+  if (lane % 4 == 0) {
+    out_scales[row] = s.x;
+    out_scales[row + 8] = s.y;
+  }
 }
 
 // tma_load_2d, or (EPSERVE_GEMM_FP8_TMA_LOADS) its bytes counted as arrived without a load;
@@ -310,6 +387,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     };
     float sum[128];
     float part[64];
+    float part2_n128[64];  // EPSERVE_GEMM_FP8_OVERLAP's second part with 128-wide tiles (other builds never touch it)
     bool tile_pending = false;  // the writer warps still hold the shared output tile
     for (;;) {
       mbarrier_wait(&full[stage], phase);  // the tile's first stage (the k-loop's wait returns at once)
@@ -318,13 +396,90 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       const GroupedTile t = sched.tile(index);
       // The weight scale rows of the tile's two halves: the gate block and its up block, or
       // two neighbouring blocks; GEMM 2's last tile may have no second half.
-      const bool second_half = kSwiGLU || t.n_abs + kHalfN < N;
+      const bool second_half = kSwiGLU || (kBN == 256 && t.n_abs + kHalfN < N);
       const int nb0 = t.n_abs / kHalfN;
       const int nb1 = kSwiGLU ? (N + t.n_abs) / kHalfN : (second_half ? nb0 + 1 : nb0);
       const float* sb = b_scales + static_cast<long long>(t.expert) * (b_rows / kHalfN) * k_blocks;
       const float* sb0 = sb + static_cast<long long>(nb0) * k_blocks;
       const float* sb1 = sb + static_cast<long long>(nb1) * k_blocks;
-      if (warpgroup * 64 < t.rows) {
+      // EPSERVE_GEMM_FP8_SPLIT_TAILS: a tile of at most 64 real rows, computed by both
+      // warpgroups, warpgroup h on half h of the first 64 rows (top of the file). With it, and
+      // with 128-wide tiles, a warpgroup computes one half: its sums go to sum[0, 64), the
+      // scales of its rows are those of hrow (srow, or `row` for a 128-wide tile).
+      const bool split = kSplitTails && t.rows <= 64;
+      const bool one_half = kBN == 128 || split;
+      const int srow = warp * 16 + lane / 4;
+      const bool computes = split ? (warpgroup == 0 || second_half) : warpgroup * 64 < t.rows;
+      if (one_half && computes) {
+        const int hrow = split ? srow : row;
+        const int a_off = split ? 0 : warpgroup * kHalfA;  // the stage's first 64 rows of A are its only box
+        const int b_off = split ? warpgroup * kHalfN * kBK : 0;
+        const float* sbh = split && warpgroup == 1 ? sb1 : sb0;
+        // Reads the A scales of k-block `stage`, frees the stage, promotes p into the sum.
+        auto promote_stage = [&](const float(&p)[64], float b_scale) {
+          const float* sa = ring_sa + stage * (kStageScales / 4) + (t.m_abs - scale_box_col(t.m_abs));
+          const float a_lo = sa[hrow], a_hi = sa[hrow + 8];
+          release(stage);
+          if constexpr (kMma) promote<0>(sum, p, a_lo * b_scale, a_hi * b_scale);
+          advance();
+        };
+#pragma unroll
+        for (int i = 0; i < 64; ++i) sum[i] = 0.f;
+        if constexpr (kOverlap) {
+          // The issue side runs one k-block ahead of `stage`: part holds the even k-blocks,
+          // part2 the odd ones.
+          int istage = stage;
+          uint32_t iphase = phase;
+          auto issue = [&](float(&p)[64]) {
+            mbarrier_wait(&full[istage], iphase);
+            k_block_mma_issue(p, ring_a + istage * kStageA + a_off, ring_b + istage * kStageB + b_off);
+            if (++istage == kStages) {
+              istage = 0;
+              iphase ^= 1;
+            }
+          };
+          // A split tail's second part is sum[64, 128), unused there (GEMM 1's first warpgroup
+          // fills it with the up half only after the loop): a part of its own beside the
+          // 128 sums spills. A 128-wide tile has no sum[64, 128).
+          float(&part2)[64] = *reinterpret_cast<float(*)[64]>(kBN == 256 ? sum + 64 : part2_n128);
+          // Two k-blocks an iteration, the same wgmma bracket and waits on every pass (a
+          // wait on a path of its own makes ptxas serialize the wgmmas); the last one or two
+          // k-blocks after the loop.
+          float bs0 = __ldg(sbh), bs1;
+          issue(part);
+          int kt = 0;
+          for (; kt + 2 < k_blocks; kt += 2) {
+            bs1 = __ldg(sbh + kt + 1);
+            issue(part2);  // k-block kt + 1, while kt runs
+            k_block_wait<1>(part);
+            promote_stage(part, bs0);
+            bs0 = __ldg(sbh + kt + 2);
+            issue(part);  // k-block kt + 2, while kt + 1 runs
+            k_block_wait<1>(part2);
+            promote_stage(part2, bs1);
+          }
+          if (kt + 1 < k_blocks) {
+            bs1 = __ldg(sbh + kt + 1);
+            issue(part2);
+            k_block_wait<1>(part);
+            promote_stage(part, bs0);
+            k_block_wait<0>(part2);
+            promote_stage(part2, bs1);
+          } else {
+            k_block_wait<0>(part);
+            promote_stage(part, bs0);
+          }
+        } else {
+          for (int kt = 0; kt < k_blocks; ++kt) {
+            const float b_scale = __ldg(sbh + kt);  // in flight during the wait
+            mbarrier_wait(&full[stage], phase);
+            // For a split tail, the default build's first warpgroup issues these very wgmmas
+            // for half h.
+            k_block_mma<kMma>(part, ring_a + stage * kStageA + a_off, ring_b + stage * kStageB + b_off);
+            promote_stage(part, b_scale);
+          }
+        }
+      } else if (kBN == 256 && computes) {
 #pragma unroll
         for (int i = 0; i < 128; ++i) sum[i] = 0.f;
         for (int kt = 0; kt < k_blocks; ++kt) {
@@ -359,28 +514,38 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         if constexpr (kSendWarps) Sink::template drain<kConsumerThreads>();
         else CMailbox::drain();
       }
-      if (warpgroup * 64 < t.rows) {
+      if (split) {
         if constexpr (kSwiGLU) {
-          // The row through an empty asm: otherwise the compiler keeps the 32 swizzled store
-          // addresses in registers across the tile loop, and they spill.
-          int erow = row;
-          asm volatile("" : "+r"(erow));
-          const float2 s = swiglu_quantize(sum, lane, [&](int dr, int col, uint16_t v) {
-            *reinterpret_cast<uint16_t*>(out_tile + OutTile::byte_offset(erow + dr, col)) = v;
-          });
-          if (lane % 4 == 0) {
-            out_scales[row] = s.x;
-            out_scales[row + 8] = s.y;
-          }
-        } else {  // n8 block j: values 4j, 4j+1 at (row, 8j + 2q, +1), 4j+2, 4j+3 at row + 8
-          const int colq = 2 * (lane % 4);
+          // The second warpgroup's up half to the first one, as the bf16 pairs the epilogue
+          // makes of it first (pack_bf16x2 of a bf16 value widened to fp32 gives it back), in
+          // the output tile's bytes (16 KB, free since the drain; word i of thread t at
+          // i * 128 + t); the first warpgroup then runs the default epilogue.
+          static_assert(kBM * OutTile::kRowBytes >= 32 * 128 * 4, "the split tails' exchange fits the output tile");
+          uint32_t* xchg = reinterpret_cast<uint32_t*>(out_tile);
+          const int t128 = tid % 128;
+          if (warpgroup == 1) {
 #pragma unroll
-          for (int j = 0; j < kOutCols / 8; ++j) {
-            *reinterpret_cast<uint32_t*>(out_tile + OutTile::byte_offset(row, 8 * j + colq)) =
-                pack_bf16x2(sum[4 * j], sum[4 * j + 1]);
-            *reinterpret_cast<uint32_t*>(out_tile + OutTile::byte_offset(row + 8, 8 * j + colq)) =
-                pack_bf16x2(sum[4 * j + 2], sum[4 * j + 3]);
+            for (int i = 0; i < 32; ++i) xchg[i * 128 + t128] = pack_bf16x2(sum[2 * i], sum[2 * i + 1]);
           }
+          named_barrier_sync<kSplitBarrierConsumers, kConsumerThreads>();
+          if (warpgroup == 0) {
+#pragma unroll
+            for (int i = 0; i < 32; ++i) {
+              const uint32_t w = xchg[i * 128 + t128];
+              sum[64 + 2 * i] = bf16_lo(w);
+              sum[64 + 2 * i + 1] = bf16_hi(w);
+            }
+            named_barrier_sync<kSplitBarrierFirst, 128>();  // every word read before the tile is written over it
+            store_act_rows(out_tile, out_scales, sum, srow, lane);
+          }
+        } else if (computes) {  // half h's 128 columns of the first 64 rows
+          store_bf16_tile_rows<kHalfN / 8>(out_tile, sum, srow, warpgroup * kHalfN + 2 * (lane % 4));
+        }
+      } else if (computes) {
+        if constexpr (kSwiGLU) {
+          store_act_rows(out_tile, out_scales, sum, row, lane);
+        } else {
+          store_bf16_tile_rows<kOutCols / 8>(out_tile, sum, row, 2 * (lane % 4));
         }
       }
       // The hand-over's barrier publishes the tile to the writer warps.

@@ -26,6 +26,34 @@ BLOCK = 128
 KERNEL = "epserve_grouped_gemm_fp8"
 _NO_PEERS = launch_arg(np.zeros(1, PEER_SEND_CONFIG))
 
+# Experimental builds of the FP8 GEMM, off by default (cuda/gemm/grouped_gemm_fp8.cu, top of
+# the file, says what each does and why it gives the default's bits): name -> defines.
+# launch/jobs/time_gemm_fp8.py --variants times them against the default,
+# tests/gpu/test_gemm_fp8.py holds each to the default's bits, tests/cpu/test_build.py
+# compiles them. Names with "n128" are GEMM 2's only (the kernel refuses them with SwiGLU).
+KNOBS: dict[str, dict[str, int]] = {
+    "split": {"EPSERVE_GEMM_FP8_SPLIT_TAILS": 1},
+    "split+overlap": {"EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_OVERLAP": 1},
+    "n128": {"EPSERVE_GEMM_FP8_BN": 128},
+    "n128+overlap": {"EPSERVE_GEMM_FP8_BN": 128, "EPSERVE_GEMM_FP8_OVERLAP": 1},
+}
+
+
+def knob_applies(base: str, knob: str) -> bool:
+    """Whether KNOBS[knob] builds with variant `base` (the 128-wide tile is GEMM 2's)."""
+    return not (base.startswith("gemm1") and "n128" in knob)
+
+
+def register_knob(base: str, knob: str) -> str:
+    """Adds `base` built with KNOBS[knob] to kernels.VARIANTS (at run time: not shipped) and
+    returns its name, for _specs."""
+    from epserve.runtime import kernels
+
+    source, defines = kernels.VARIANTS[base]
+    name = f"{base}+{knob}"
+    kernels.VARIANTS[name] = (source, {**defines, **KNOBS[knob]})
+    return name
+
 
 def grouped_gemm_fp8(sink: str, a, a_scales, b, b_scales, C, expert_offsets, num_experts: int, N: int, K: int,
                      cfg=None, gate: int = 0) -> None:

@@ -12,6 +12,11 @@ bf16 cuBLAS GEMM give the machine's rates in the same run. CUDA-event medians, p
 interleaved; TFLOP/s count real rows only. The issue's target: each FP8 GEMM >= 1100 TFLOP/s
 at dsv3-prefill, balanced routing.
 
+`--variants` adds the FP8 GEMM's experimental builds (epserve.ffn.gemm_fp8.KNOBS: split
+tails, 128-wide tiles, promotion overlapped with the next k-block's wgmmas), timed
+interleaved with the default build on the same inputs, each row checked bit for bit against
+the default's output.
+
 Checks printed with the times: fused GEMM 1 against the unfused FP8 path (bitwise), and the
 relative difference of the FP8 GEMM 2 from the bf16 one on the same unquantized inputs (the
 cost of quantization: reported, not asserted). One process: no communication in the numbers.
@@ -42,6 +47,8 @@ def main():
                    help="uniform, balanced, skewed or skewed:<exponent> (default: balanced uniform)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--skip-bf16", action="store_true", help="time the FP8 GEMMs only")
+    p.add_argument("--variants", action="store_true",
+                   help="also time the experimental builds of epserve.ffn.gemm_fp8.KNOBS")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=15)
     args = p.parse_args()
@@ -103,6 +110,13 @@ def gemm1(rs, spec, offsets_host, w13_host, weights, H, I, args):
     runs = {"fp8 + SwiGLU + quantize epilogue": fused, "fp8 [M, 2I] + SwiGLU + quantize": unfused,
             "fp8 [M, 2I] alone": lambda: gemm_fp8.grouped_gemm_fp8("null", a_q, a_s, weights.w13, weights.w13_scales,
                                                                    h, offsets, E, 2 * I, H)}
+    knob_out = {}  # path -> (act, act_s) of that build
+    for knob, name in knob_builds("gemm1_fp8_swiglu", args):
+        out = knob_out[f"fp8 + SwiGLU epilogue, {knob}"] = (cupy.empty((M, I), np.uint8),
+                                                           cupy.zeros((I // 128, scale_ld(M)), np.float32))
+        specs = gemm_fp8._specs(name, a_q, a_s, weights.w13, weights.w13_scales, E * 2 * I, *out, offsets, E, I, H,
+                                gemm_fp8._NO_PEERS, 0)
+        runs[f"fp8 + SwiGLU epilogue, {knob}"] = lambda specs=specs: gemm_fp8.run(specs)
     if not args.skip_bf16:
         w13 = cupy.asarray(w13_host)
         act_b = cupy.empty((M, I), BF16)
@@ -115,6 +129,9 @@ def gemm1(rs, spec, offsets_host, w13_host, weights, H, I, args):
         check = ("bitwise" if same else "DIFFER") if path.startswith("fp8 [M, 2I] +") else ""
         if path.startswith("fp8 + SwiGLU"):
             check = verdict(ms, flops)
+        if path in knob_out:  # the knob build's own output, against the default's
+            k_act, k_s = knob_out[path]
+            check = "bitwise" if bool((k_act == act).all()) and bool((k_s[:, :M] == act_s[:, :M]).all()) else "DIFFER"
         row(spec, "GEMM 1", path, ms, flops, wbytes * (2 if path.startswith("bf16") else 1), check)
 
 
@@ -131,6 +148,11 @@ def gemm2(rs, spec, offsets_host, w2_host, weights, H, I, args):
     runs = {"fp8 (null sink)": lambda: gemm_fp8.grouped_gemm_fp8("null", a_q, a_s, *w, C, offsets, E, H, I),
             "fp8 (peer build, gated off)": lambda: gemm_fp8.grouped_gemm_fp8("peer", a_q, a_s, *w, None, offsets, E,
                                                                            H, I, gated_off, -1)}
+    knob_out = {}  # path -> that build's C
+    for knob, name in knob_builds("gemm_fp8_null", args):
+        out = knob_out[f"fp8 (null sink), {knob}"] = cupy.empty((M, H), BF16)
+        specs = gemm_fp8._specs(name, a_q, a_s, *w, E * H, out, None, offsets, E, H, I, gemm_fp8._NO_PEERS, 0)
+        runs[f"fp8 (null sink), {knob}"] = lambda specs=specs: gemm_fp8.run(specs)
     w2 = cupy.asarray(w2_host)
     if not args.skip_bf16:
         runs["bf16 wgmma (null sink)"] = lambda: gemm.grouped_gemm("null", A, w2, C_bf16, offsets, E, H, I)
@@ -142,7 +164,18 @@ def gemm2(rs, spec, offsets_host, w2_host, weights, H, I, args):
     for path, ms in times.items():
         check = verdict(ms, flops) if path == "fp8 (null sink)" else ("rel " + vs_bf16 if path.startswith("bf16")
                                                                       else "")
+        if path in knob_out:  # the knob build's own output, against the default's
+            check = "bitwise" if bool((knob_out[path].view(np.uint16) == C.view(np.uint16)).all()) else "DIFFER"
         row(spec, "GEMM 2", path, ms, flops, wbytes * (2 if path.startswith("bf16") else 1), check)
+
+
+def knob_builds(base, args):
+    """(knob, variant name) of each experimental build of `base` that --variants times,
+    registered in kernels.VARIANTS."""
+    if not args.variants:
+        return []
+    return [(knob, gemm_fp8.register_knob(base, knob)) for knob in gemm_fp8.KNOBS
+            if gemm_fp8.knob_applies(base, knob)]
 
 
 if __name__ == "__main__":

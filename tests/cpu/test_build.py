@@ -25,6 +25,36 @@ def test_every_variant_compiles_for_sm90a(name, cache):
     assert not re.search(r"[1-9]\d* bytes spill stores", art.log), art.log
 
 
+@pytest.mark.parametrize("base", ["gemm_fp8_null", "gemm_fp8_peer", "gemm1_fp8_swiglu"])
+def test_fp8_experimental_builds_compile_without_spills_or_serialized_wgmmas(base, cache):
+    """epserve.ffn.gemm_fp8.KNOBS, the builds time_gemm_fp8.py --variants times: each knob is
+    one the FP8 GEMM reads, each build compiles with no spill and no C75xx warning (ptxas
+    serializing the wgmmas), and the overlapped builds wait with one group in flight.
+    Before test_key_covers_defines_options_and_every_included_header on purpose: after NVRTC
+    13.5 has compiled any program with -G, later compiles in the same process differ (the
+    default gemm_fp8_peer then spills 36 bytes; in a fresh process, none)."""
+    from pathlib import Path
+
+    from epserve.ffn import gemm_fp8
+
+    root = Path(__file__).resolve().parents[2]
+    source_text = (root / "cuda" / "gemm" / "grouped_gemm_fp8.cu").read_text()
+    gpu_test = (root / "tests" / "gpu" / "test_gemm_fp8.py").read_text()
+    source, defines = kernels.VARIANTS[base]
+    for knob, knobs in gemm_fp8.KNOBS.items():
+        for name in knobs:
+            assert f"#ifndef {name}\n" in source_text, name
+        gemm = "1" if base.startswith("gemm1") else "2"
+        assert (f'("{gemm}", "{knob}")' in gpu_test) == gemm_fp8.knob_applies(base, knob), \
+            f"tests/gpu/test_gemm_fp8.py's FP8_KNOB_BUILDS and KNOBS disagree on {base} + {knob}"
+        if not gemm_fp8.knob_applies(base, knob):
+            continue
+        art = build.compile_source(source, {**defines, **knobs})
+        assert not re.search(r"[1-9]\d* bytes spill stores", art.log), (knob, art.log)
+        assert "C75" not in art.log, (knob, art.log)
+        ptx = art.ptx.read_text()
+        assert ("wgmma.wait_group.sync.aligned 1;" in ptx) == ("EPSERVE_GEMM_FP8_OVERLAP" in knobs), knob
+
 def variants_with_sink(sink: str) -> list[str]:
     """The shipped GEMM variants built with `sink` ("null" or "peer"): the mma.sync and the
     wgmma kernel, and any other that takes a sink."""
@@ -185,3 +215,4 @@ def test_fp8_probe_job_names_only_real_knobs():
     for knobs, _ in list(job.PROBES.values()) + [(k, None) for k in FP8_PROBE_KNOBS]:
         for name in knobs:
             assert f"#ifndef {name}\n" in source, name
+

@@ -340,3 +340,57 @@ def test_gemm2_fp8_peer_sink_scatters_the_null_builds_rows():
         check(raw, signals, C[:n_good], n_good)
     finally:
         group.close()
+
+
+# epserve.ffn.gemm_fp8.KNOBS by GEMM (the 128-wide tile is GEMM 2's only; tests/cpu/test_build.py
+# checks that this list names every knob).
+FP8_KNOB_BUILDS = [("2", "split"), ("2", "split+overlap"), ("2", "n128"), ("2", "n128+overlap"),
+                   ("1", "split"), ("1", "split+overlap")]
+
+
+@pytest.mark.parametrize("gemm,knob", FP8_KNOB_BUILDS)
+@pytest.mark.parametrize("rows,K", [(RAGGED, 256), ([300] * 40, 384), ([40, 1, 64, 3], 128), ([129, 200], 512),
+                                    ([77, 0, 190], 640)])
+def test_fp8_build_knobs_give_the_same_bits(knob, gemm, rows, K, monkeypatch):
+    """The FP8 GEMM's experimental builds (epserve.ffn.gemm_fp8.KNOBS; cuda/gemm/grouped_gemm_fp8.cu
+    says what each does) change how tiles are computed, never the result: each build equals
+    the default one bit for bit. split: a tile of at most 64 real rows computed by both
+    warpgroups, one 128-column half each (GEMM 1's up half handed over through shared
+    memory); n128: 128 x 128 tiles (GEMM 2 only); overlap: k-block kt + 1's wgmmas in
+    flight while kt is promoted, on both. The rows hold tails of 1 .. 64 rows (split) and
+    65 .. 127 (not), whole tiles, empty experts, and more tiles than SMs (a CTA meets split
+    and unsplit tiles in turn); K from 1 to 5 k-blocks (the overlapped loop's two-a-pass body
+    and both of its endings); GEMM 2's N = 384 leaves its last 256-wide column tile without a
+    second half."""
+    import cupy
+
+    from epserve.ffn import gemm_fp8
+    from epserve.runtime import kernels
+
+    base = "gemm1_fp8_swiglu" if gemm == "1" else "gemm_fp8_null"
+    monkeypatch.setattr(kernels, "VARIANTS", dict(kernels.VARIANTS))  # register_knob's entry goes with the test
+    name = gemm_fp8.register_knob(base, knob)
+    rng = np.random.default_rng(11 + K)
+    E, M = len(rows), sum(rows)
+    outs = {}
+    if gemm == "2":
+        N = 384
+        a_q, a_s, b_q, b_s, offsets = _quantized(rng, rows, E, N, K)
+        for variant in (base, name):
+            C = cupy.full((M + 7, N), np.nan, BF16)
+            gemm_fp8.run(gemm_fp8._specs(variant, a_q, a_s, b_q, b_s, E * N, C, None, offsets, E, N, K,
+                                         gemm_fp8._NO_PEERS, 0))
+            outs[variant] = (cupy.asnumpy(C).view(np.uint16),)
+        assert not np.isnan(cupy.asnumpy(C[:M]).astype(np.float32)).any(), "elements left unwritten"
+    else:
+        I = 256
+        a_q, a_s, w_q, w_s, offsets = _quantized(rng, rows, E, 2 * I, K)
+        for variant in (base, name):
+            act = cupy.full((M + 5, I), E4M3_NAN, np.uint8)
+            act_s = cupy.full((I // 128, f8.scale_ld(M + 5)), np.nan, np.float32)
+            gemm_fp8.run(gemm_fp8._specs(variant, a_q, a_s, w_q, w_s, E * 2 * I, act, act_s, offsets, E, I, K,
+                                         gemm_fp8._NO_PEERS, 0))
+            outs[variant] = (_bits(act), cupy.asnumpy(act_s).view(np.uint32))
+        assert not np.isnan(cupy.asnumpy(act_s)[:, :M]).any(), "scales left unwritten"
+    for want, got in zip(outs[base], outs[name]):
+        assert np.array_equal(got, want), f"the {knob} build differs from the default"
