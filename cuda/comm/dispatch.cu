@@ -49,15 +49,17 @@ extern "C" __global__ void __launch_bounds__(kCountThreads, 1)
 // Rank + layout, over many CTAs of kRankThreads: each warp ranks its chunks; the last CTA to
 // finish waits for every rank's count row and writes the verdict, expert_offsets and the
 // per-source bases (direct_layout). done: as count + publish's, a counter of its own.
+// arm_expected (or null) and units_per_slot: the combine's arm, done by the layout (forward).
 // Dynamic shared memory: kRankWarps * (E + W) ints.
 extern "C" __global__ void __launch_bounds__(kRankThreads)
     epserve_dispatch_route_rank_layout(const int* __restrict__ topk_idx, int T, const DispatchConfig cfg,
                                        const int* __restrict__ chunk_bases, int* __restrict__ tok_pos,
                                        int* __restrict__ slot_rank, unsigned* __restrict__ done,
-                                       int* __restrict__ expert_offsets, int* __restrict__ base) {
+                                       int* __restrict__ expert_offsets, int* __restrict__ base,
+                                       unsigned long long* arm_expected, int units_per_slot) {
   rank_chunks(topk_idx, T, cfg, chunk_bases, tok_pos, slot_rank);
   if (!last_block_to_finish(done)) return;
-  direct_layout(cfg, expert_offsets, base);
+  direct_layout(cfg, expert_offsets, base, arm_expected, units_per_slot);
 }
 
 #ifdef EPSERVE_DISPATCH_STAMPS

@@ -76,11 +76,33 @@ __device__ bool layout_from_table(const DispatchConfig& cfg, const int* table, i
   return false;
 }
 
+// The combine's arm (epserve_combine_arm in cuda/comm/combine.cu, the same sums): this call's
+// combine expects units_per_slot units from rank s for each of this rank's slots whose expert
+// s owns, and this rank's own count row holds exactly those slots per expert. Run by the
+// layout once the verdict lets the call go on, so forward needs no arm launch of its own.
+__device__ void arm_combine(const DispatchConfig& cfg, const int* table, unsigned long long* expected,
+                            int units_per_slot) {
+  const int E = cfg.num_experts, W = cfg.world, e_loc = E / W;
+  const int* mine = table + cfg.rank * (E + W + 1);
+  __shared__ unsigned int slots_to[EPSERVE_MAX_PEERS];
+  if (threadIdx.x < EPSERVE_MAX_PEERS) slots_to[threadIdx.x] = 0;
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const int n = ld_cg_s32(mine + e);
+    if (n) atomicAdd(&slots_to[e / e_loc], static_cast<unsigned int>(n));
+  }
+  __syncthreads();
+  if (threadIdx.x < W)
+    expected[threadIdx.x] += static_cast<unsigned long long>(slots_to[threadIdx.x]) * units_per_slot;
+}
+
 // The direct transport's layout: wait for every rank's count row of this call (this rank's
 // epoch: its own dispatch_ready count + 1), then layout_from_table on this rank's table. A
 // count row that never arrives fails and stops the call here: nothing moves from or to this
-// rank, and the GEMMs see no rows.
-__device__ void direct_layout(const DispatchConfig& cfg, int* __restrict__ expert_offsets, int* __restrict__ base) {
+// rank, and the GEMMs see no rows. arm_expected (or null): the combine's expected counters,
+// armed here for a call that goes on (arm_combine).
+__device__ void direct_layout(const DispatchConfig& cfg, int* __restrict__ expert_offsets, int* __restrict__ base,
+                              unsigned long long* arm_expected, int units_per_slot) {
   const int W = cfg.world, e_loc = cfg.num_experts / W;
   __shared__ int arrived;
   if (threadIdx.x == 0) {
@@ -97,7 +119,9 @@ __device__ void direct_layout(const DispatchConfig& cfg, int* __restrict__ exper
     if (threadIdx.x <= e_loc) expert_offsets[threadIdx.x] = 0;
     return;
   }
-  layout_from_table(cfg, cfg.count_table[cfg.rank], expert_offsets, base);
+  const int* table = cfg.count_table[cfg.rank];
+  if (!layout_from_table(cfg, table, expert_offsets, base) && arm_expected != nullptr)
+    arm_combine(cfg, table, arm_expected, units_per_slot);
 }
 
 // The NCCL transport's layout: layout_from_table on the gathered table, then

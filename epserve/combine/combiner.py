@@ -89,14 +89,18 @@ class Combiner:
         gemm.run(gemm2_specs("peer", act, w2, None, plan.expert_offsets, self.experts_per_rank, self.hidden,
                              intermediate, cfg, -1))
 
-    def fused(self, act, w2, plan: DevicePlan, topk_idx, topk_weights, intermediate: int, out=None, status=None):
+    def fused(self, act, w2, plan: DevicePlan, topk_idx, topk_weights, intermediate: int, out=None, status=None,
+              armed: bool = False):
         """GEMM 2 whose epilogue writes every row into its home rank's recv; then the reduction.
-        act and w2 as for gemm_only: either dtype's GEMM 2 hands the sink the same bf16 tiles."""
+        act and w2 as for gemm_only: either dtype's GEMM 2 hands the sink the same bf16 tiles.
+        armed: the direct dispatch's layout armed this combine already (DirectDispatcher.enqueue's
+        arm_combine), so no arm launch here."""
         self.epoch += 1
         cfg = self.send_config(plan.src_info, status)
         specs = gemm2_specs("peer", act, w2, None, plan.expert_offsets, self.experts_per_rank, self.hidden,
                             intermediate, cfg, 0)
-        return self._reduce(topk_idx, topk_weights, out, wait=True, status=status, before=specs, key="fused")
+        return self._reduce(topk_idx, topk_weights, out, wait=True, status=status, before=specs, key="fused",
+                            armed=armed)
 
     def stand_in(self, status=None, off_node: bool = True) -> None:
         """This rank's part of a combine it has no tokens for (its input was rejected): the
@@ -131,19 +135,21 @@ class Combiner:
         nccl_path.combine(C, topk_idx.shape[0], self.recv)
         return self._reduce(topk_idx, topk_weights, out, wait=False, status=nccl_path.status)
 
-    def _reduce(self, topk_idx, topk_weights, out, *, wait: bool, status=None, before=(), key="reduce"):
+    def _reduce(self, topk_idx, topk_weights, out, *, wait: bool, status=None, before=(), key="reduce",
+                armed: bool = False):
         """The reduction into out (made when None), after the launches in `before`; every
-        launch of the call goes through one prepared LaunchSequence entry per (key, T)."""
+        launch of the call goes through one prepared LaunchSequence entry per (key, T). A
+        waiting reduction arms its expected arrivals first, unless the dispatch `armed` them."""
         T = topk_idx.shape[0]
         if out is None:
             out = cupy.empty((T, self.hidden), self.dtype)
         s = self.signals
         specs = list(before)
-        if wait:
+        if wait and not armed:
             specs.append(launchers.combine_arm_spec(topk_idx, T, self.top_k, self.experts_per_rank, self.world,
                                                     self.hidden // 64, s.local(sig.EXPECTED), status))
         if wait and self.off_node is not None:  # across nodes: the staged rows cross, and land, first
-            self._launches.run((key, wait, T, "before"), specs)
+            self._launches.run((key, wait, T, armed, "before"), specs)
             self.off_node.exchange_combine(topk_idx, T, self.top_k, self.hidden, self.experts_per_rank, self.recv,
                                            status)
             specs = []
@@ -151,5 +157,5 @@ class Combiner:
                                                    self.world, s.local(sig.ARRIVE), s.local(sig.EXPECTED),
                                                    s.local(sig.ERROR), self.timeout_ns, wait, status,
                                                    self._ready_table, self.rank, self._reduce_blocks_done))
-        self._launches.run((key, wait, T), specs)
+        self._launches.run((key, wait, T, armed), specs)
         return out

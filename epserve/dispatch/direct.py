@@ -136,11 +136,14 @@ class DirectDispatcher:
             world=W, num_experts=self.E, top_k=self.k, hidden=self.H, max_tokens=self.max_tokens,
             max_recv_rows=self.max_recv_rows)
 
-    def enqueue(self, x: cupy.ndarray | None, topk_idx: cupy.ndarray | None, rejected: bool = False) -> None:
+    def enqueue(self, x: cupy.ndarray | None, topk_idx: cupy.ndarray | None, rejected: bool = False,
+                arm_combine: tuple | None = None) -> None:
         """Queue one dispatch on the current stream; no host wait. x [T, H] bf16 and topk_idx
         [T, k] int32 are already checked on the host; rejected=True (x and topk_idx None) when
         this rank's own input failed those checks: it then takes part with no tokens, and its
-        count row tells every rank to stop the call."""
+        count row tells every rank to stop the call. arm_combine: (u64 of the combine's
+        expected counters, i32 of its units per slot) for the layout to arm this call's
+        combine (then the combine must not arm it again: Combiner.fused(armed=True))."""
         cfg = self._cfg
         T = 0 if rejected else x.shape[0]
         t, code, move_grid, send_blocks = self._launch_shape(T, rejected)
@@ -149,7 +152,8 @@ class DirectDispatcher:
         route = self.route
         specs = [
             route.count_publish_spec(topk_idx, T, t, code, cfg),
-            route.rank_layout_spec(topk_idx, T, t, cfg, self.expert_offsets, self._base),
+            route.rank_layout_spec(topk_idx, T, t, cfg, self.expert_offsets, self._base,
+                                   *(arm_combine or (_NULL, i32(0)))),
             (self._move, move_grid, (MOVE_THREADS,), (x, t, topk_idx, route.tok_pos, route.slot_rank, cfg, self._base,
                                                       self.rows, self.src_info, self.expert_offsets, send_blocks,
                                                       self._chunk_ptrs, self._expected_chunk, self._max_chunks_arg,
@@ -160,14 +164,14 @@ class DirectDispatcher:
             specs.append((self._release, (1,), (RELEASE_THREADS,), (cfg, self._expected_chunk, self._max_chunks_arg),
                           0))
         if self.off_node is None:
-            self.launches.run((T, rejected), specs)
+            self.launches.run((T, rejected, arm_combine is not None), specs)
             return
         # Across nodes (docs/design.md, "Across nodes"): the count rows cross between count +
         # publish and the layout, the staged token blocks after the move, then their expansion.
         off = self.off_node
         self.launches.run((T, rejected, "count"), specs[:1])
         off.exchange_counts(self._table.ptr)
-        self.launches.run((T, rejected, "move"), specs[1:])
+        self.launches.run((T, rejected, arm_combine is not None, "move"), specs[1:])
         off.exchange_rows(self._tokens.ptr, self._meta.ptr, self.status)
         self.launches.run("off-node expand", [off.expand_spec(cfg, self._base, self.rows, self.src_info,
                                                               self.expert_offsets, self.expand_blocks)])

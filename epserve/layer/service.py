@@ -35,6 +35,7 @@ from epserve.comm import mpi as ep_comm
 from epserve.comm.nccl import gpus_shared, make_nccl
 from epserve.comm.off_node import agree_carrier, make_off_node
 from epserve.comm.peers import PeerGroup
+from epserve.comm import signals as sig
 from epserve.comm.signals import SignalBlock
 from epserve.comm.topology import gather_node_layout
 from epserve.config import MoEConfig, check_agreement
@@ -46,6 +47,7 @@ from epserve.dispatch.nccl import NcclDispatcher
 from epserve.errors import ConfigError, EPServeError, PeerTimeoutError
 from epserve.ffn import fp8_stage, gemm
 from epserve.ffn.fp8_stage import FP8Buffers
+from epserve.runtime.kernel_structs import i32, u64
 from epserve.runtime.launch import LaunchSequence, Recording
 from epserve.runtime.replay import LaunchReplay
 
@@ -168,6 +170,7 @@ class EPService:
         # forward's default path replayed per (tokens, stream, weights): runtime/replay.py.
         # replay_forward = False builds every call's launches anew (the same bits).
         self.replay_forward = True
+        self._arm_combine = (u64(self.signals.local(sig.EXPECTED)), i32(c.hidden // 64))  # the combine's units a row
         self._replays = {}
         self.replayed_calls = 0
         cupy.cuda.runtime.deviceSynchronize()
@@ -440,7 +443,12 @@ class EPService:
         """forward's launches for checked inputs, built call by call."""
         c = self.config
         d = self.nccl_path if dispatch == "nccl" else self.direct
-        d.enqueue(self._rows_to_dispatch(x), topk_idx)
+        # The direct dispatch's layout arms the fused combine: one launch fewer.
+        armed = dispatch == "direct" and sink == "peer"
+        if armed:
+            d.enqueue(self._rows_to_dispatch(x), topk_idx, arm_combine=self._arm_combine)
+        else:
+            d.enqueue(self._rows_to_dispatch(x), topk_idx)
         if self.fp8:
             specs = fp8_stage.gemm1_specs(self._fp8, d.rows, d.expert_offsets, w13, c.experts_per_rank,
                                           c.intermediate, c.hidden)
@@ -450,7 +458,7 @@ class EPService:
         self._gemm1.run(dispatch, specs)
         if sink == "peer":
             out = self.combiner.fused(self._act, w2, d, topk_idx, topk_weights, c.intermediate, out=out,
-                                      status=d.status)
+                                      status=d.status, armed=armed)
         elif dispatch == "nccl":  # the unfused layer over NCCL: GEMM 2 stores C, NCCL brings it home
             if self._C is None:
                 self._C = cupy.empty((c.recv_rows_capacity, c.hidden), BF16)

@@ -125,12 +125,14 @@ def direct_dispatcher(fuse_release: bool, own_in_send: bool):
 
 @pytest.mark.parametrize("fuse_release", [True, False])
 @pytest.mark.parametrize("rejected", [False, True])
-def test_direct_launches_match_their_kernels(ptx, fakes, fuse_release, rejected):
+@pytest.mark.parametrize("armed", [False, True], ids=["combine-arms", "layout-arms"])
+def test_direct_launches_match_their_kernels(ptx, fakes, fuse_release, rejected, armed):
     d = direct_dispatcher(fuse_release, own_in_send=True)
+    arm = (by_value(0x1000, np.uint64), by_value(H // 64)) if armed else None
     if rejected:
-        d.enqueue(None, None, rejected=True)
+        d.enqueue(None, None, rejected=True, arm_combine=arm)
     else:
-        d.enqueue(Device((T, H)), Device((T, K)))
+        d.enqueue(Device((T, H)), Device((T, K)), arm_combine=arm)
     names = [spec[0].name for spec in d.launches.specs]
     assert names == ["epserve_dispatch_route_count_publish", "epserve_dispatch_route_rank_layout",
                      "epserve_dispatch_move"] + ([] if fuse_release else ["epserve_dispatch_release"])
