@@ -14,8 +14,8 @@ at dsv3-prefill, balanced routing.
 
 `--variants` adds the FP8 GEMM's experimental builds (epserve.ffn.gemm_fp8.KNOBS: split
 tails, 128-wide tiles, promotion overlapped with the next k-block's wgmmas), timed
-interleaved with the default build on the same inputs, each row checked bit for bit against
-the default's output.
+interleaved with the shipped build on the same inputs, each row checked bit for bit against
+the shipped build's output.
 
 Checks printed with the times: fused GEMM 1 against the unfused FP8 path (bitwise), and the
 relative difference of the FP8 GEMM 2 from the bf16 one on the same unquantized inputs (the

@@ -344,17 +344,17 @@ def test_gemm2_fp8_peer_sink_scatters_the_null_builds_rows():
 
 # epserve.ffn.gemm_fp8.KNOBS by GEMM (the 128-wide tile is GEMM 2's only; tests/cpu/test_build.py
 # checks that this list names every knob).
-FP8_KNOB_BUILDS = [("2", "split"), ("2", "split+overlap"), ("2", "n128"), ("2", "n128+overlap"),
-                   ("1", "split"), ("1", "split+overlap")]
+FP8_KNOB_BUILDS = [("2", "plain"), ("2", "split"), ("2", "split+overlap"), ("2", "n128"), ("2", "n128+overlap"),
+                   ("1", "plain"), ("1", "split"), ("1", "split+overlap")]
 
 
 @pytest.mark.parametrize("gemm,knob", FP8_KNOB_BUILDS)
 @pytest.mark.parametrize("rows,K", [(RAGGED, 256), ([300] * 40, 384), ([40, 1, 64, 3], 128), ([129, 200], 512),
                                     ([77, 0, 190], 640)])
 def test_fp8_build_knobs_give_the_same_bits(knob, gemm, rows, K, monkeypatch):
-    """The FP8 GEMM's experimental builds (epserve.ffn.gemm_fp8.KNOBS; cuda/gemm/grouped_gemm_fp8.cu
-    says what each does) change how tiles are computed, never the result: each build equals
-    the default one bit for bit. split: a tile of at most 64 real rows computed by both
+    """The FP8 GEMM's builds (epserve.ffn.gemm_fp8.KNOBS; cuda/gemm/grouped_gemm_fp8.cu says
+    what each does) change how tiles are computed, never the result: each build equals the
+    shipped one (split for GEMM 2, split+overlap for GEMM 1) bit for bit. plain: neither. split: a tile of at most 64 real rows computed by both
     warpgroups, one 128-column half each (GEMM 1's up half handed over through shared
     memory); n128: 128 x 128 tiles (GEMM 2 only); overlap: k-block kt + 1's wgmmas in
     flight while kt is promoted, on both. The rows hold tails of 1 .. 64 rows (split) and
