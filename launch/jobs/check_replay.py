@@ -10,7 +10,8 @@ writes some rounds' inputs into the previous round's arrays (pointers unchanged)
 round's replayed forward must equal the same call with its launches built anew
 (svc.replay_forward = False) bit for bit, and the float64 reference within 1e-2 every sixth
 round. The number of replayed calls must be exactly the calls whose key was seen before
-(a replay silently refused would show here). In the middle, a round with an expert id out of
+(a replay silently refused would show here), and each must have gone out as one CUDA graph
+launch. In the middle, a round with an expert id out of
 range on the last rank must raise on every rank with out poisoned, and the next round must be
 right again. --fp8: the same with FP8 experts. Prints `RESULT {json}` lines; exits non-zero if
 any check failed on any rank.
@@ -115,9 +116,12 @@ def main():
                     failures.append(f"round {n}: relative error {err:.3g} vs the float64 reference")
             info["rounds"] += 1
         info["replayed_calls"], info["expected_replays"] = svc.replayed_calls, expected_replays
+        info["graph_replays"] = svc.graph_replays
         if svc.replayed_calls != expected_replays:
             failures.append(f"{svc.replayed_calls} calls replayed, {expected_replays} expected: a recording was "
                             "refused or a key missed")
+        if svc.graph_replays != svc.replayed_calls:  # nothing here is captured: every replay is a graph launch
+            failures.append(f"{svc.graph_replays} of {svc.replayed_calls} replays went out as a CUDA graph")
     report(comm, dict(case="replay-fp8" if args.fp8 else "replay", rank=rank, ok=not failures, failures=failures[:10],
                       **info))
     bad_ranks = comm.allreduce(int(bool(failures)))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import pstats
 import time
 
@@ -75,6 +76,7 @@ def host_breakdown(svc, fn, calls: int) -> dict:
     its reduction) and the rest, so the 50 us target can be chased stage by stage. The
     launches are timed inside their stages too; xN is how many times a stage ran per call."""
     from epserve.runtime import launch as launch_mod
+    from epserve.runtime import replay as replay_mod
 
     spent, counts = {}, {}
 
@@ -90,11 +92,11 @@ def host_breakdown(svc, fn, calls: int) -> dict:
 
     patched = [(svc, "_tokens"), (svc, "_weights"), (svc, "_forward_replayed"), (svc.direct, "enqueue"),
                (svc._gemm1, "run"),
-               (svc.combiner, "fused"), (launch_mod.PreparedLaunch, "__call__")]
+               (svc.combiner, "fused"), (launch_mod.PreparedLaunch, "__call__"), (replay_mod.KernelGraph, "launch")]
     saved = [(obj, name, obj.__dict__.get(name)) for obj, name in patched]
     for obj, name in patched:
-        setattr(obj, name, timed(name if obj is not launch_mod.PreparedLaunch else "one launch (all)",
-                                 getattr(obj, name)))
+        label = {launch_mod.PreparedLaunch: "one launch (all)", replay_mod.KernelGraph: "graph update + launch"}
+        setattr(obj, name, timed(label.get(obj, name), getattr(obj, name)))
     try:
         total = host_ms(fn, calls) * 1e3
     finally:
@@ -170,6 +172,8 @@ def main():
         mine = layer_inputs(3, [args.tokens] * world, args.experts, args.top_k, args.hidden, args.intermediate)[rank]
         x, idx, w, w13, w2 = (cupy.asarray(a) for a in (mine.x, mine.topk_idx, mine.topk_weights, mine.w13, mine.w2))
         d = svc.dispatch(x, idx, w, "direct")
+        # the inputs at other addresses every call, as a serving loop hands over new arrays
+        rotation = itertools.cycle([(x.copy(), idx.copy(), w.copy()) for _ in range(4)])
         paths = {
             "dispatch direct": lambda: svc.dispatch(x, idx, w, "direct"),
             "dispatch nccl": lambda: svc.dispatch(x, idx, w, "nccl"),
@@ -178,19 +182,21 @@ def main():
             "forward p+d check=F": lambda: svc.forward(x, idx, w, w13, w2, "peer", "direct", check=False),
             "forward null+nccl": lambda: svc.forward(x, idx, w, w13, w2, "null", "nccl"),
             "forward p+d check=F rebuilt": lambda: rebuilt(svc, x, idx, w, w13, w2),
+            "forward p+d check=F new arrays": lambda: svc.forward(*next(rotation), w13, w2, "peer", "direct",
+                                                                  check=False),
         }
         for fn in paths.values():
             fn()
         if rank == 0:
             print(f"# host_profile: {world} rank(s), T={args.tokens} H={args.hidden} I={args.intermediate} "
                   f"E={args.experts} k={args.top_k}; ms per call")
-            print(f"{'path':<28}{'GPU ms':>9}{'wall ms':>9}{'host ms':>9}")
+            print(f"{'path':<32}{'GPU ms':>9}{'wall ms':>9}{'host ms':>9}")
         for name, fn in paths.items():
             g = gpu_ms(fn, 5)
             wl = wall_ms(fn, args.calls)
             hs = f"{host_ms(fn, 20):>9.4f}" if "check=F" in name else f"{'-':>9}"
             if rank == 0:
-                print(f"{name:<28}{g:>9.3f}{wl:>9.3f}{hs}", flush=True)
+                print(f"{name:<32}{g:>9.3f}{wl:>9.3f}{hs}", flush=True)
         if rank == 0:
             print("# host time of 'forward p+d check=F' by stage, us per call:")
         for stage, us in host_breakdown(svc, paths["forward p+d check=F"], 20).items():

@@ -23,8 +23,10 @@ class Input(FakeArray):
 
 @pytest.fixture(autouse=True)
 def sizes(monkeypatch):
-    """Every kernel's parameters taken as 8 bytes each (the by-value structs below are 8 or 16)."""
+    """Every kernel's parameters taken as 8 bytes each (the by-value structs below are 8 or 16),
+    and no CUDA graph (its nodes would name the fake kernels to a real driver)."""
     monkeypatch.setattr(replay, "_param_sizes", lambda function: (8,) * 16)
+    monkeypatch.setattr(replay.KernelGraph, "of", classmethod(lambda cls, launches: False))
 
 
 def record(sequence_specs):
@@ -107,3 +109,48 @@ def test_recordings_do_not_nest():
                 pass
     with launch.Recording() as rec:  # closed again after the error
         assert rec.complete
+
+
+class FakeGraph:
+    """KernelGraph's part in a replay: which launches' nodes each graph launch updated."""
+
+    def __init__(self):
+        self.updates = []
+
+    def launch(self, changed, stream):
+        self.updates.append(set(changed))
+
+
+def test_the_graph_updates_every_node_rewritten_since_its_last_launch(monkeypatch, launches):
+    """A replay under stream capture runs the launches themselves; the launches it rewrote
+    must still be updated in the graph at its next launch, even if their arrays did not
+    change again by then."""
+    graph, capturing = FakeGraph(), [False]
+    monkeypatch.setattr(replay.KernelGraph, "of", classmethod(lambda cls, launches: graph))
+    monkeypatch.setattr(replay._runtime, "streamIsCapturing", lambda stream: capturing[0])
+    x, x2 = Input(0x10000), Input(0x20000)
+    k1, k2 = FakeKernel(1), FakeKernel(2)
+    rec = record([(launch.LaunchSequence(), 0, [(k1, 1, 32, (x,), 0), (k2, 1, 32, (u64(5),), 0)])])
+    rep = replay.LaunchReplay.of(rec, {"x": x})
+    first = rep._launches[0]
+    rep({"x": x}, stream=0)
+    assert graph.updates == [set()] and rep.graph_launches == 1
+    capturing[0] = True
+    launches.clear()
+    rep({"x": x2}, stream=0)  # captured: the launches themselves, x2 in place
+    assert len(launches) == 2 and graph.updates == [set()]
+    capturing[0] = False
+    rep({"x": x2}, stream=0)  # x2 again: no change now, but the graph still holds x
+    assert graph.updates[-1] == {first} and rep.graph_launches == 2
+    rep({"x": x2}, stream=0)
+    assert graph.updates[-1] == set()
+
+
+def test_without_a_graph_the_launches_are_replayed(launches):
+    x = Input(0x10000)
+    rep = replay.LaunchReplay.of(record([(launch.LaunchSequence(), 0, [(FakeKernel(1), 1, 32, (x,), 0)])]),
+                                 {"x": x})
+    launches.clear()
+    rep({"x": Input(0x30000)}, stream=0)
+    (_, params), = launches
+    assert read(params, 0, 8) == (0x30000).to_bytes(8, "little") and rep.graph_launches == 0
