@@ -21,6 +21,12 @@
 //                     its expert rows. Its last block releases the dispatch: the promised
 //                     rows per chunk move on, and the buffers may take the next call's rows.
 //
+// Built with EPSERVE_DISPATCH_QUANTIZE=1 (the "dispatch_quantize" variant, FP8 experts), the
+// move reads this rank's tokens as bf16 rows of x_cols columns and quantizes each, 1 x 128,
+// into a packed FP8 row (values, then scales: token_row_to_many) on its way into the peers'
+// token regions and this rank's own expert rows; everything else moves packed rows as it
+// moves bf16 ones (cfg.hidden is then the packed row's width in 2-byte units).
+//
 // "The last CTA to finish" counts on a done counter that it resets itself, so neither a
 // launch nor a CUDA graph replay needs a memset. No host looks between the kernels: the
 // verdict is the same on every rank because it is computed from the same count rows, and
@@ -86,6 +92,19 @@ __device__ __forceinline__ int chunk_rows(int n, int c) {
   return max(0, min(kArrivalChunk, n - c * kArrivalChunk));
 }
 
+// This rank's token t to the destinations of `lanes` (copy_row_to_many's convention), the
+// row read once: row t of x as it is (H 2-byte units), or, built with
+// EPSERVE_DISPATCH_QUANTIZE, row t of the bf16 x [T, x_cols] quantized into the packed FP8
+// row the dispatch moves (quantize_row_to_many: the bits of epserve_quantize_rows_packed_fp8).
+__device__ __forceinline__ void token_row_to_many(uint4* my_dst, unsigned lanes, const bf16_t* x, int t, int H,
+                                                  int x_cols, int lane) {
+#if EPSERVE_DISPATCH_QUANTIZE
+  quantize_row_to_many(my_dst, lanes, x + static_cast<long long>(t) * x_cols, x_cols, lane);
+#else
+  copy_row_to_many(my_dst, lanes, reinterpret_cast<const uint4*>(x + static_cast<long long>(t) * H), H / 8, lane);
+#endif
+}
+
 // One warp per token: its row to every other destination that owns one of its experts, once,
 // its routing beside it. A destination's rows of this rank land in position order (tok_pos
 // grows with the token), and the warps walk the tokens in waves of one token each, so the
@@ -99,7 +118,7 @@ __device__ __forceinline__ int chunk_rows(int n, int c) {
 // slower ones).
 constexpr int kOwnLane = EPSERVE_MAX_PEERS;
 static_assert(kOwnLane + kMaxTopK <= 32, "a lane per destination and a lane per slot");
-__device__ void send_tokens(const bf16_t* __restrict__ x, int T, const int* __restrict__ topk_idx,
+__device__ void send_tokens(const bf16_t* __restrict__ x, int x_cols, int T, const int* __restrict__ topk_idx,
                             const int* __restrict__ tok_pos, const int* __restrict__ slot_rank, const DispatchConfig& cfg,
                             const int* __restrict__ base, bf16_t* __restrict__ a, int* __restrict__ src_info,
                             bool own_in_send, unsigned long long* const* __restrict__ chunk_arrive, int max_chunks,
@@ -121,7 +140,7 @@ __device__ void send_tokens(const bf16_t* __restrict__ x, int T, const int* __re
     uint4* dst = pos >= 0 ? reinterpret_cast<uint4*>(cfg.tokens[lane] + slot * H)
                  : m >= 0 ? reinterpret_cast<uint4*>(a + static_cast<long long>(m) * H)
                           : nullptr;
-    copy_row_to_many(dst, to | own, reinterpret_cast<const uint4*>(x + static_cast<long long>(t) * H), H / 8, lane);
+    token_row_to_many(dst, to | own, x, t, H, x_cols, lane);
     if (m >= 0) src_info[m] = (rank << 24) | (t << 4) | j;
     if (!to) continue;
     const int e = lane < k ? topk_idx[t * k + lane] : -1;
@@ -164,7 +183,7 @@ __device__ __forceinline__ bool wait_chunk(const unsigned long long* counter, un
 // chunk's arrival counter, so expansion follows arrival. A wait that runs out fails this
 // rank's call: expert_offsets go to zero, so the GEMMs see no rows, the output is poisoned,
 // and the other warps stop waiting.
-__device__ void expand_tokens(const bf16_t* __restrict__ x, int T, const int* __restrict__ topk_idx,
+__device__ void expand_tokens(const bf16_t* __restrict__ x, int x_cols, int T, const int* __restrict__ topk_idx,
                               const int* __restrict__ slot_rank, const DispatchConfig& cfg,
                               const int* __restrict__ base, bf16_t* __restrict__ a, int* __restrict__ src_info,
                               int* __restrict__ expert_offsets, const unsigned long long* __restrict__ my_chunk_arrive,
@@ -203,13 +222,15 @@ __device__ void expand_tokens(const bf16_t* __restrict__ x, int T, const int* __
   const int start = own_in_send ? T : 0;
   for (int i = start + block * warps + (threadIdx.x >> 5); i < first[sources]; i += grid * warps) {
     int s, t, m = -1;
-    const uint4* src;
+    const uint4* src = nullptr;  // the row; with EPSERVE_DISPATCH_QUANTIZE null for this rank's own token t (from x)
     if (own && i >= T) own = false, move_stamp(1);
     if (i < T) {  // this rank's own token i
       s = rank, t = i;
       const int e = lane < k ? topk_idx[t * k + lane] : -1;
       if (e >= 0 && e / e_loc == rank) m = base[e] + slot_rank[t * k + lane];  // base[rank][e - rank * e_loc]
+#if !EPSERVE_DISPATCH_QUANTIZE
       src = reinterpret_cast<const uint4*>(x + static_cast<long long>(t) * H);
+#endif
     } else {
       int n = 0;
       while (i >= first[n + 1]) ++n;
@@ -239,7 +260,12 @@ __device__ void expand_tokens(const bf16_t* __restrict__ x, int T, const int* __
     const unsigned rows = __ballot_sync(0xffffffffu, m >= 0);
     if (!rows) continue;  // an own token that feeds no expert here
     uint4* dst = m >= 0 ? reinterpret_cast<uint4*>(a + static_cast<long long>(m) * H) : nullptr;
-    copy_row_to_many(dst, rows, src, H / 8, lane);
+#if EPSERVE_DISPATCH_QUANTIZE
+    if (src == nullptr)  // this rank's own token t: quantized from x on the way, as the send does
+      token_row_to_many(dst, rows, x, t, H, x_cols, lane);
+    else
+#endif
+      copy_row_to_many(dst, rows, src, H / 8, lane);
     if (m >= 0) src_info[m] = (s << 24) | (t << 4) | lane;
   }
   if (own) move_stamp(1);
@@ -274,6 +300,10 @@ __device__ void release_dispatch(const DispatchConfig& cfg, unsigned long long* 
 // expected_chunk: this rank's own [W][max_chunks], what the earlier calls promised. With
 // `done` (a zeroed counter, left zero), the last block to finish releases the dispatch
 // (release_dispatch) and no release kernel follows; without it the release kernel must.
+// x: this rank's T rows as they move (cfg.hidden 2-byte units each), or, built with
+// EPSERVE_DISPATCH_QUANTIZE, its bf16 tokens [T, x_cols] (x_cols a multiple of 128,
+// cfg.hidden * 2 = packed_row_bytes(x_cols)), which the send and the own-row expansion
+// quantize into packed FP8 rows; an extra last argument, only in that build.
 extern "C" __global__ void __launch_bounds__(kMoveThreads)
     epserve_dispatch_move(const bf16_t* __restrict__ x, int T, const int* __restrict__ topk_idx,
                           const int* __restrict__ tok_pos, const int* __restrict__ slot_rank, const DispatchConfig cfg,
@@ -281,15 +311,22 @@ extern "C" __global__ void __launch_bounds__(kMoveThreads)
                           int* __restrict__ expert_offsets, int send_blocks,
                           unsigned long long* const* __restrict__ chunk_arrive,
                           unsigned long long* __restrict__ expected_chunk, int max_chunks, unsigned* __restrict__ done,
-                          int own_in_send) {
+                          int own_in_send
+#if EPSERVE_DISPATCH_QUANTIZE
+                          , int x_cols  // x is bf16 [T, x_cols], quantized into packed rows on the way
+#endif
+                          ) {
+#if !EPSERVE_DISPATCH_QUANTIZE
+  constexpr int x_cols = 0;  // x holds the rows as they move
+#endif
 #ifdef EPSERVE_DISPATCH_STAMPS
   if (threadIdx.x == 0 && blockIdx.x < kStampBlocks) epserve_move_stamps[blockIdx.x * 3] = globaltimer_ns();
 #endif
   if (static_cast<int>(blockIdx.x) < send_blocks)
-    send_tokens(x, T, topk_idx, tok_pos, slot_rank, cfg, base, a, src_info, own_in_send, chunk_arrive, max_chunks,
-                blockIdx.x, send_blocks);
+    send_tokens(x, x_cols, T, topk_idx, tok_pos, slot_rank, cfg, base, a, src_info, own_in_send, chunk_arrive,
+                max_chunks, blockIdx.x, send_blocks);
   else
-    expand_tokens(x, T, topk_idx, slot_rank, cfg, base, a, src_info, expert_offsets, chunk_arrive[cfg.rank],
+    expand_tokens(x, x_cols, T, topk_idx, slot_rank, cfg, base, a, src_info, expert_offsets, chunk_arrive[cfg.rank],
                   expected_chunk, max_chunks, own_in_send, blockIdx.x - send_blocks, gridDim.x - send_blocks);
   if (done == nullptr) return;
   // Every block's reads of the token regions and the count table are done before the release.
@@ -311,7 +348,7 @@ extern "C" __global__ void epserve_dispatch_release(const DispatchConfig cfg,
 extern "C" __global__ void __launch_bounds__(kMoveThreads)
     epserve_dispatch_expand_off_node(const DispatchConfig cfg, const int* __restrict__ base, bf16_t* __restrict__ a,
                                      int* __restrict__ src_info, int* __restrict__ expert_offsets) {
-  expand_tokens(nullptr, 0, nullptr, nullptr, cfg, base, a, src_info, expert_offsets, nullptr, nullptr, 1, true,
+  expand_tokens(nullptr, 0, 0, nullptr, nullptr, cfg, base, a, src_info, expert_offsets, nullptr, nullptr, 1, true,
                 blockIdx.x, gridDim.x, true);
 }
 

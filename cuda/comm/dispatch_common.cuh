@@ -5,6 +5,12 @@
 #include "common/errors.cuh"
 #include "common/ptx.cuh"
 #include "common/src_info.cuh"
+#ifndef EPSERVE_DISPATCH_QUANTIZE
+#define EPSERVE_DISPATCH_QUANTIZE 0  // 1: the move quantizes bf16 tokens into packed FP8 rows (dispatch.cu)
+#endif
+#if EPSERVE_DISPATCH_QUANTIZE
+#include "common/fp8_rows.cuh"
+#endif
 
 using namespace epserve;
 
@@ -99,6 +105,61 @@ __device__ __forceinline__ void copy_row_to_many(uint4* my_dst, unsigned lanes, 
     }
   }
 }
+
+#if EPSERVE_DISPATCH_QUANTIZE
+// One warp quantizes a bf16 row of `cols` columns (a multiple of 128) into a packed FP8 row
+// and stores it to several destinations at once (lanes as copy_row_to_many's): bytes
+// [0, cols) the e4m3 values, then the cols / 128 fp32 scales, zero-padded to 16 bytes
+// (epserve.ffn.fp8.packed_row_bytes). The bits of epserve_quantize_rows_packed_fp8, by the
+// same functions (common/fp8_rows.cuh); its padding is the zeros of the buffer it writes into.
+// Each pass takes 4 k-blocks of 128 columns: lane l loads 16 bf16 (two 16-byte chunks) of
+// k-block l / 8, the 8 lanes of a k-block reduce its amax, each lane stores its 16 e4m3 as
+// one 16-byte chunk, and lane 0 the pass's 4 scales as one 16-byte chunk (zeros past the
+// last k-block). Two passes a round, so four 16-byte loads a lane are in flight, as in
+// copy_row_to_many. The row is read once, however many destinations it has.
+__device__ __forceinline__ void quantize_row_to_many(uint4* my_dst, unsigned lanes, const bf16_t* src, int cols,
+                                                     int lane) {
+  constexpr int kPasses = 2;
+  const int k_blocks = cols / 128, values16 = cols / 16, g = lane >> 3, i = lane & 7;
+  const uint4* row = reinterpret_cast<const uint4*>(src);  // 8 bf16 a chunk: k-block kb's are [16 kb, 16 kb + 16)
+  for (int p = 0; 4 * p < k_blocks; p += kPasses) {  // warp-uniform: every lane takes part in every shuffle
+    uint4 lo[kPasses], hi[kPasses];
+#pragma unroll
+    for (int u = 0; u < kPasses; ++u) {
+      const int kb = 4 * (p + u) + g;
+      lo[u] = hi[u] = make_uint4(0, 0, 0, 0);
+      if (kb < k_blocks) {
+        lo[u] = ld_cg_v4(row + 16 * kb + 2 * i);
+        hi[u] = ld_cg_v4(row + 16 * kb + 2 * i + 1);
+      }
+    }
+    uint4 q[kPasses], scales[kPasses];
+#pragma unroll
+    for (int u = 0; u < kPasses; ++u) {
+      const float amax = lanes_max<8>(fmaxf(bf16x8_amax(lo[u]), bf16x8_amax(hi[u])));
+      const float inv = fp8_inv_scale(amax);
+      const uint2 a = quantize_bf16x8(lo[u], inv), b = quantize_bf16x8(hi[u], inv);
+      q[u] = make_uint4(a.x, a.y, b.x, b.y);
+      // lane 8 g holds k-block 4 (p + u) + g's scale; lane 0 gathers the pass's four
+      unsigned s = 4 * (p + u) + g < k_blocks ? __float_as_uint(fp8_scale(amax)) : 0u;
+      scales[u].x = __shfl_sync(0xffffffffu, s, 0);
+      scales[u].y = __shfl_sync(0xffffffffu, s, 8);
+      scales[u].z = __shfl_sync(0xffffffffu, s, 16);
+      scales[u].w = __shfl_sync(0xffffffffu, s, 24);
+    }
+    for (unsigned m = lanes; m; m &= m - 1) {
+      uint4* dst = reinterpret_cast<uint4*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(my_dst), __ffs(m) - 1));
+#pragma unroll
+      for (int u = 0; u < kPasses; ++u) {
+        const int kb = 4 * (p + u) + g;
+        if (kb < k_blocks) st_v4(dst + 8 * kb + i, q[u]);
+        if (lane == 0 && 4 * (p + u) < k_blocks) st_v4(dst + values16 + p + u, scales[u]);
+      }
+    }
+  }
+}
+#endif
 
 // True in the last CTA of the grid to get here, once every other CTA's writes before its
 // call are visible to it. That CTA resets *done, so the next launch or CUDA graph replay

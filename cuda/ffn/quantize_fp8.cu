@@ -8,26 +8,13 @@
 //  * blocks, 128 x 128 (weights, prepared once): a CTA per block, 16 rows a warp;
 //    scales[row block, column block] row-major, which for w [E, N, K] is [E, N/128, K/128].
 // The GEMM 1 epilogue quantizes its SwiGLU output with the same functions, so this kernel
-// applied to the unfused bf16 act gives the fused kernel's bits.
+// applied to the unfused bf16 act gives the fused kernel's bits; the direct dispatch built
+// with EPSERVE_DISPATCH_QUANTIZE quantizes tokens into packed rows with the same functions
+// (common/fp8_rows.cuh), so its rows are this kernel's bits.
 #include "common/bf16.cuh"
-#include "common/fp8.cuh"
+#include "common/fp8_rows.cuh"  // warp_max, quantize_bf16x4: shared with the dispatch's quantizing send
 
 using namespace epserve;
-
-namespace {
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int d = 16; d > 0; d >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, d));
-  return v;
-}
-
-// Four bf16 (two words) to four e4m3 in one word, lowest column in the lowest byte.
-__device__ __forceinline__ uint32_t quantize_bf16x4(uint2 v, float inv) {
-  return static_cast<uint32_t>(quantize_bf16x2(v.x, inv)) | (static_cast<uint32_t>(quantize_bf16x2(v.y, inv)) << 16);
-}
-
-}  // namespace
 
 // x [rows, cols] bf16 -> q [rows, cols] e4m3, scales [cols / 128, scale_ld] (scale_ld >= rows).
 extern "C" __global__ void epserve_quantize_rows_fp8(const bf16_t* __restrict__ x, long long rows, int cols,

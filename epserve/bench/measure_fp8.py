@@ -6,7 +6,7 @@ bf16 presets' path names, so the report and the baselines read them alike:
   gemm2          FP8 GEMM 2 with the peer sink gated off (the math alone)
   fused          FP8 GEMM 2 with the peer sink + the reduction
   unfused        FP8 GEMM 2 storing C + the transport + the reduction
-  dispatch-direct the bf16 dispatch (unchanged in FP8 mode: the FP8 dispatch is not built)
+  dispatch-direct the FP8 direct dispatch: packed rows, quantized inside its move kernel
   layer-fused    forward, direct dispatch, peer sink
   layer-unfused  forward, NCCL dispatch, null sink
 

@@ -9,6 +9,12 @@ overflow) and writes it into the call status, which every later kernel reads. Th
 expert_offsets and src_info live in buffers sized for max_recv_rows, allocated once; the row
 count never leaves the device. A stopped call still runs every kernel (moving nothing) and
 releases the buffers, so the next call finds the protocol in step.
+
+With FP8 experts (quantize_cols = H), the move kernel of the "dispatch_quantize" build reads
+this rank's bf16 tokens x [T, H] and quantizes each row, 1 x 128, into the packed FP8 row the
+dispatch moves (epserve.ffn.fp8.packed_row_bytes(H) bytes: the bits quantize_rows_packed_spec
+gives) as it sends it and stores this rank's own rows: no quantize launch, x read once.
+quantize_in_send = False takes already packed rows instead (the unfused path, for checks).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import numpy as np
 
 from epserve.comm import signals as sig
 from epserve.dispatch.route import Route
+from epserve.ffn.fp8 import packed_row_bytes
 from epserve.runtime import kernels
 from epserve.runtime.kernel_structs import i32, launch_arg, pack_dispatch_config, u64
 from epserve.runtime.launch import LaunchSequence
@@ -51,7 +58,7 @@ class DirectDispatcher:
     off_node = None  # epserve/comm/off_node.py OffNode when the ranks span several nodes
 
     def __init__(self, group, signals, *, num_experts: int, top_k: int, hidden: int, max_tokens: int,
-                 max_recv_rows: int, wait_timeout_s: float, dtype, off_node=None):
+                 max_recv_rows: int, wait_timeout_s: float, dtype, off_node=None, quantize_cols: int = 0):
         self.group, self.signals = group, signals
         self.off_node = off_node  # epserve/comm/off_node.py: the ranks of other nodes, or None (one node)
         self.rank, self.world = group.rank, group.world
@@ -90,10 +97,19 @@ class DirectDispatcher:
         # they loaded each row into (x read once, not twice); off, the expand blocks read x again
         # for them. Bitwise the same rows either way; launch/jobs/time_dispatch.py times both.
         self.own_in_send = False
+        # FP8 experts: x is bf16 [T, quantize_cols] and the move quantizes it into the packed
+        # rows (hidden 2-byte units each) it moves; quantize_in_send False: x is packed already.
+        if quantize_cols and 2 * hidden != packed_row_bytes(quantize_cols):
+            raise ValueError(f"rows of {hidden} 2-byte units are not packed FP8 rows of {quantize_cols} columns")
+        self.quantize_cols = quantize_cols
+        self.quantize_in_send = bool(quantize_cols)
         cupy.cuda.runtime.deviceSynchronize()
         group.comm.Barrier()
         mod = kernels.module("dispatch")
         self._move = mod.get_function("epserve_dispatch_move")
+        self._move_quantize = kernels.module("dispatch_quantize").get_function("epserve_dispatch_move") \
+            if quantize_cols else None
+        self._x_cols = i32(quantize_cols)
         self._release = mod.get_function("epserve_dispatch_release")
         self._sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         # Nothing in it changes between calls (the epoch is on the device): packed and wrapped once.
@@ -111,6 +127,11 @@ class DirectDispatcher:
         # The launches, prepared once per (T, rejected): a call rewrites only x and topk_idx.
         # launch/jobs/time_dispatch.py sets launches.prepared = False to wrap each kernel.
         self.launches = LaunchSequence()
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether enqueue takes bf16 tokens [T, quantize_cols] and the move quantizes them."""
+        return self.quantize_in_send and bool(self.quantize_cols)
 
     def _launch_shape(self, T: int, rejected: bool) -> tuple:
         """What the launches of a call with T tokens take besides the pointers, made once per T."""
@@ -143,22 +164,29 @@ class DirectDispatcher:
         this rank's own input failed those checks: it then takes part with no tokens, and its
         count row tells every rank to stop the call. arm_combine: (u64 of the combine's
         expected counters, i32 of its units per slot) for the layout to arm this call's
-        combine (then the combine must not arm it again: Combiner.fused(armed=True))."""
+        combine (then the combine must not arm it again: Combiner.fused(armed=True)). When
+        `quantizes`, x is the bf16 tokens [T, quantize_cols], else the rows as they move [T, H]."""
         cfg = self._cfg
         T = 0 if rejected else x.shape[0]
         t, code, move_grid, send_blocks = self._launch_shape(T, rejected)
+        if T and x.shape[1] != (self.quantize_cols if self.quantizes else self.H):
+            raise ValueError(f"x has rows of {x.shape[1]} elements, this dispatch takes "
+                             f"{'bf16 tokens of ' + str(self.quantize_cols) if self.quantizes else self.H}")
         if T == 0:
             x = topk_idx = _NULL  # a null pointer (an empty array's may be anything)
         route = self.route
+        move_args = (x, t, topk_idx, route.tok_pos, route.slot_rank, cfg, self._base, self.rows, self.src_info,
+                     self.expert_offsets, send_blocks, self._chunk_ptrs, self._expected_chunk, self._max_chunks_arg,
+                     self._done if self.fuse_release else _NULL, i32(1 if self.own_in_send else 0))
+        if self.quantizes:  # the quantizing build takes x's width last
+            move, move_args = self._move_quantize, move_args + (self._x_cols,)
+        else:
+            move = self._move
         specs = [
             route.count_publish_spec(topk_idx, T, t, code, cfg),
             route.rank_layout_spec(topk_idx, T, t, cfg, self.expert_offsets, self._base,
                                    *(arm_combine or (_NULL, i32(0)))),
-            (self._move, move_grid, (MOVE_THREADS,), (x, t, topk_idx, route.tok_pos, route.slot_rank, cfg, self._base,
-                                                      self.rows, self.src_info, self.expert_offsets, send_blocks,
-                                                      self._chunk_ptrs, self._expected_chunk, self._max_chunks_arg,
-                                                      self._done if self.fuse_release else _NULL,
-                                                      i32(1 if self.own_in_send else 0)), 0),
+            (move, move_grid, (MOVE_THREADS,), move_args, 0),
         ]
         if not self.fuse_release:
             specs.append((self._release, (1,), (RELEASE_THREADS,), (cfg, self._expected_chunk, self._max_chunks_arg),

@@ -1,7 +1,10 @@
 """The FP8 expert FFN as the service runs it (MoEConfig.expert_dtype "fp8", issue 16): each
-rank quantizes its tokens to e4m3 with 1 x 128 scales before the dispatch, into packed rows
-(the values, then the scales: fp8.packed_row_bytes(H) bytes), which the dispatch moves as it
-moves bf16 rows, at about half the bytes. On the receiving side the scales are unpacked into
+rank's tokens are quantized to e4m3 with 1 x 128 scales into packed rows (the values, then
+the scales: fp8.packed_row_bytes(H) bytes), which the dispatch moves as it moves bf16 rows,
+at about half the bytes. The direct dispatch quantizes inside its move kernel (the
+"dispatch_quantize" build, epserve/dispatch/direct.py); the NCCL and host-planned dispatches
+take rows quantized before them (quantize_tokens_spec, into FP8Buffers.x_packed): the same
+bytes. On the receiving side the scales are unpacked into
 the layout the GEMM reads, GEMM 1 reads the values in place (a tensor map with the packed
 pitch), runs on FP8 with SwiGLU and act's quantization in its epilogue, and GEMM 2 on FP8
 hands bf16 rows to the sink, exactly as the bf16 GEMM 2 does, so the combine is unchanged.
@@ -39,7 +42,7 @@ class FP8Act:
 
 class FP8Buffers:
     """The FP8 FFN's operands at capacity: this rank's tokens quantized into packed rows (for
-    the dispatch), the received rows' scales unpacked, and GEMM 1's quantized act and its
+    the dispatches that do not quantize in their own kernels), the received rows' scales unpacked, and GEMM 1's quantized act and its
     scales."""
 
     def __init__(self, capacity: int, hidden: int, intermediate: int, max_tokens: int = 0):

@@ -147,7 +147,7 @@ class EPService:
         self.direct = DirectDispatcher(self.group, self.signals, num_experts=c.num_experts, top_k=c.top_k,
                                        hidden=width, max_tokens=c.max_tokens_per_rank,
                                        max_recv_rows=c.recv_rows_capacity, wait_timeout_s=c.wait_timeout_s, dtype=BF16,
-                                       off_node=self.off_node)
+                                       off_node=self.off_node, quantize_cols=c.hidden if self.fp8 else 0)
         # The NCCL transport planned on the device; its buffers are made on first use.
         self.nccl_path = None if self.shared_gpu else NcclDispatcher(
             self.nccl, self.signals, rank=self.rank, world=self.world, num_experts=c.num_experts, top_k=c.top_k,
@@ -162,7 +162,9 @@ class EPService:
         # experts (epserve/ffn/fp8_stage.py): the quantized received rows and act instead.
         self._fp8 = FP8Buffers(c.recv_rows_capacity, c.hidden, c.intermediate, c.max_tokens_per_rank) \
             if self.fp8 else None
-        self._quantize = LaunchSequence()  # FP8 experts: the tokens' quantization before the dispatch
+        # FP8 experts: the tokens' quantization before the NCCL and host-planned dispatches (the
+        # direct dispatch quantizes in its move kernel unless direct.quantize_in_send is False)
+        self._quantize = LaunchSequence()
         self._act = self._fp8.act if self.fp8 else cupy.zeros((c.recv_rows_capacity, c.intermediate), BF16)
         self._C = None  # GEMM 2's output for the unfused IPC combine, made on first use
         self._gemm1 = LaunchSequence()  # forward's GEMM 1, prepared once per dispatch path
@@ -211,10 +213,11 @@ class EPService:
         w2 = checked_array(w2, "w2", "bf16", (c.experts_per_rank, c.hidden, c.intermediate))
         return w13, w2
 
-    def _rows_to_dispatch(self, x):
-        """What the dispatch moves for tokens x (checked): x itself, or with FP8 experts x
-        quantized into packed rows (one launch, into a buffer made once)."""
-        if not self.fp8:
+    def _rows_to_dispatch(self, x, transport: str = "direct"):
+        """What the dispatcher of `transport` takes for tokens x (checked): x itself, or with
+        FP8 experts x quantized into packed rows (one launch, into a buffer made once), except
+        for the direct dispatch, whose move kernel quantizes x itself (direct.quantizes)."""
+        if not self.fp8 or transport == "direct" and self.direct.quantizes:
             return x
         self._quantize.run(x.shape[0], [fp8_stage.quantize_tokens_spec(self._fp8, x)])
         return fp8_stage.tokens_to_dispatch(self._fp8, x)
@@ -234,10 +237,11 @@ class EPService:
         MPI; epserve/dispatch/nccl.py); where ranks share a GPU, NCCL cannot run and the host-
         planned IPC pull stands in. All give bitwise identical rows, offsets and src_info.
 
-        With FP8 experts (MoEConfig.expert_dtype "fp8") the tokens are quantized first and the
-        rows are packed FP8 rows: bytes [0, H) the e4m3 values, then H / 128 fp32 scales
-        (epserve.ffn.fp8.packed_row_bytes(H) bytes a row, carried as bf16-typed rows of half
-        that width; `.view(numpy.uint8)` gives the bytes).
+        With FP8 experts (MoEConfig.expert_dtype "fp8") the rows are packed FP8 rows: bytes
+        [0, H) the e4m3 values, then H / 128 fp32 scales (epserve.ffn.fp8.packed_row_bytes(H)
+        bytes a row, carried as bf16-typed rows of half that width; `.view(numpy.uint8)` gives
+        the bytes). The direct dispatch quantizes the tokens inside its move kernel, the others
+        in a launch before it: the same bytes.
 
         A transport other than these raises ConfigError on the calling rank at once (the ranks
         cannot agree on a path they do not share); forward checks it on every rank together."""
@@ -248,7 +252,7 @@ class EPService:
         except ConfigError as exc:
             error = exc
         if error is None:
-            x = self._rows_to_dispatch(x)
+            x = self._rows_to_dispatch(x, transport)
         if transport == "direct":
             d = self.direct.dispatch(x, topk_idx, error)
             return DispatchResult(d.rows, d.expert_offsets, d.src_info, d.num_rows, topk_idx, topk_weights)
@@ -337,8 +341,9 @@ class EPService:
         topk_weights, fp8w)`` (w2 None, or fp8w again). Its arrays are checked like bf16
         weights: w13 uint8 (e4m3) [E_loc, 2I, H], w13_scales float32 [E_loc, 2I/128, H/128],
         w2 uint8 [E_loc, H, I], w2_scales float32 [E_loc, H/128, I/128]. The tokens are
-        quantized to e4m3 with one scale per row and 128 columns before the dispatch, which
-        moves them as packed rows (about half the bytes of bf16); GEMM 1 and GEMM 2 run on FP8
+        quantized to e4m3 with one scale per row and 128 columns (by the direct dispatch's
+        move kernel as it sends them; before the NCCL dispatch, in a launch of its own), and
+        move as packed rows (about half the bytes of bf16); GEMM 1 and GEMM 2 run on FP8
         with block scales (SwiGLU and act's quantization fused into GEMM 1), GEMM 2 hands bf16
         rows to the combine, which is unchanged: fused == unfused bit for bit as in bf16
         (docs/design.md, "FP8 experts").
@@ -437,7 +442,7 @@ class EPService:
             out = cupy.empty((x.shape[0], self.config.hidden), BF16)
         inputs = {"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights, "out": out}
         stream = cupy.cuda.get_current_stream().ptr
-        key = (x.shape[0], stream, _addresses(w13), _addresses(w2))
+        key = (x.shape[0], stream, _addresses(w13), _addresses(w2), self.direct.quantizes)
         replay = self._replays.get(key)
         if replay is None:
             with Recording() as recording:
@@ -466,9 +471,9 @@ class EPService:
         # The direct dispatch's layout arms the fused combine: one launch fewer.
         armed = dispatch == "direct" and sink == "peer"
         if armed:
-            d.enqueue(self._rows_to_dispatch(x), topk_idx, arm_combine=self._arm_combine)
+            d.enqueue(self._rows_to_dispatch(x, dispatch), topk_idx, arm_combine=self._arm_combine)
         else:
-            d.enqueue(self._rows_to_dispatch(x), topk_idx)
+            d.enqueue(self._rows_to_dispatch(x, dispatch), topk_idx)
         if self.fp8:
             specs = fp8_stage.gemm1_specs(self._fp8, d.rows, d.expert_offsets, w13, c.experts_per_rank,
                                           c.intermediate, c.hidden)

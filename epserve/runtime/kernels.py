@@ -40,6 +40,9 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     "rows": (ROWS_SOURCE, {}),
     "swiglu": (SWIGLU_SOURCE, {}),
     "dispatch": (DISPATCH_SOURCE, {}),
+    # FP8 experts: the direct dispatch's move quantizes bf16 tokens into packed FP8 rows on the
+    # way (the bits of quantize_fp8's packed rows); its other kernels are the plain build's
+    "dispatch_quantize": (DISPATCH_SOURCE, {"EPSERVE_DISPATCH_QUANTIZE": 1}),
     "staging": (STAGING_SOURCE, {}),
 }
 

@@ -19,3 +19,20 @@ def report(comm, record: dict) -> None:
     if comm.Get_rank() == 0:
         for r in records:
             print("RESULT " + json.dumps(r), flush=True)
+
+
+def run_cases(comm, job: str, cases, run) -> int:
+    """Collective: `# cases: N`, then run(case) for each case (a record with "ok"), reported
+    as it ends, and a last line naming the failing (case, rank) pairs. Returns the exit
+    status: 1 if any case failed on any rank."""
+    rank = comm.Get_rank()
+    if rank == 0:
+        emit(f"# cases: {len(cases)}")
+    bad = 0
+    for case in cases:
+        result = run(case)
+        report(comm, result)
+        bad += comm.allreduce(int(not result["ok"]))
+    if rank == 0:
+        emit(f"# {job}: {'all cases passed' if not bad else f'{bad} failing (case, rank) pairs'}")
+    return 1 if bad else 0

@@ -14,26 +14,37 @@ pytest.importorskip("cupy")
 from epserve.dispatch import direct as direct_mod  # noqa: E402
 from epserve.dispatch import nccl as nccl_mod  # noqa: E402
 from epserve.dispatch import route as route_mod  # noqa: E402
+from epserve.ffn.fp8 import packed_row_bytes  # noqa: E402
 from epserve.runtime import build, kernels  # noqa: E402
 from epserve.runtime.kernel_structs import DISPATCH_CONFIG  # noqa: E402
 
 E, W, K, H, T = 256, 2, 8, 7168, 4096
 
 
-@pytest.fixture(scope="module")
-def ptx(tmp_path_factory):
+def variant_ptx(tmp_path_factory, variant: str) -> str:
     import os
 
     old = os.environ.get("EPSERVE_CACHE_DIR")
     os.environ["EPSERVE_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
     try:
-        source, defines = kernels.VARIANTS["dispatch"]
+        source, defines = kernels.VARIANTS[variant]
         return build.compile_source(source, defines).ptx.read_text()
     finally:
         if old is None:
             del os.environ["EPSERVE_CACHE_DIR"]
         else:
             os.environ["EPSERVE_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="module")
+def ptx(tmp_path_factory):
+    return variant_ptx(tmp_path_factory, "dispatch")
+
+
+@pytest.fixture(scope="module")
+def quantize_ptx(tmp_path_factory):
+    """The FP8 build of the dispatch (EPSERVE_DISPATCH_QUANTIZE): its move quantizes x."""
+    return variant_ptx(tmp_path_factory, "dispatch_quantize")
 
 
 def param_sizes(ptx: str, kernel: str) -> list[int]:
@@ -108,9 +119,13 @@ def check(ptx, specs):
         assert [arg_size(a) for a in args] == sizes, kernel.name
 
 
-def direct_dispatcher(fuse_release: bool, own_in_send: bool):
+def direct_dispatcher(fuse_release: bool, own_in_send: bool, quantize_cols: int = 0):
     d = direct_mod.DirectDispatcher.__new__(direct_mod.DirectDispatcher)
-    d.rank, d.world, d.E, d.k, d.H, d.max_tokens = 0, W, E, K, H, T
+    width = packed_row_bytes(quantize_cols) // 2 if quantize_cols else H  # the rows moved, in 2-byte units
+    d.rank, d.world, d.E, d.k, d.H, d.max_tokens = 0, W, E, K, width, T
+    d.quantize_cols, d.quantize_in_send = quantize_cols, bool(quantize_cols)
+    d._x_cols = by_value(quantize_cols)
+    d._move_quantize = Function("epserve_dispatch_move") if quantize_cols else None
     d.route = route_mod.Route("direct", num_experts=E, world=W, top_k=K, max_tokens=T)
     d._cfg = np.zeros(1, DISPATCH_CONFIG)
     d._shapes, d.send_blocks_max, d.expand_blocks = {}, 132, 264
@@ -137,6 +152,49 @@ def test_direct_launches_match_their_kernels(ptx, fakes, fuse_release, rejected,
     assert names == ["epserve_dispatch_route_count_publish", "epserve_dispatch_route_rank_layout",
                      "epserve_dispatch_move"] + ([] if fuse_release else ["epserve_dispatch_release"])
     check(ptx, d.launches.specs)
+
+
+@pytest.mark.parametrize("own_in_send", [False, True])
+@pytest.mark.parametrize("rejected", [False, True])
+@pytest.mark.parametrize("hidden", [H, 384], ids=["H7168", "H384"])
+def test_quantizing_direct_launches_match_their_kernels(ptx, quantize_ptx, fakes, own_in_send, rejected, hidden):
+    """FP8 experts: the move of the dispatch_quantize build takes x's bf16 width last, and the
+    launch hands it; the route launches are the plain build's (the same in both builds). With
+    quantize_in_send off, the plain move takes packed rows, with the same arguments as bf16."""
+    d = direct_dispatcher(True, own_in_send, quantize_cols=hidden)
+    arm = (by_value(0x1000, np.uint64), by_value(hidden // 64))
+    if rejected:
+        d.enqueue(None, None, rejected=True, arm_combine=arm)
+    else:
+        d.enqueue(Device((T, hidden)), Device((T, K)), arm_combine=arm)
+    names = [spec[0].name for spec in d.launches.specs]
+    assert names == ["epserve_dispatch_route_count_publish", "epserve_dispatch_route_rank_layout",
+                     "epserve_dispatch_move"]
+    route, move = d.launches.specs[:2], d.launches.specs[2]
+    check(ptx, route)
+    check(quantize_ptx, [move])
+    assert move[0] is d._move_quantize
+    assert move[3][-1] is d._x_cols and int(move[3][-1][0]) == hidden
+    assert len(param_sizes(quantize_ptx, "epserve_dispatch_move")) == len(param_sizes(ptx, "epserve_dispatch_move")) + 1
+    with pytest.raises(ValueError, match="rows of"):  # packed rows where bf16 tokens are due
+        d.enqueue(Device((T, d.H)), Device((T, K)))
+    d.quantize_in_send = False
+    d.launches.specs = []
+    d.enqueue(Device((T, d.H)), Device((T, K)), arm_combine=arm)
+    assert d.launches.specs[2][0] is d._move
+    check(ptx, d.launches.specs)
+
+
+def test_quantize_build_differs_only_in_the_move(ptx, quantize_ptx):
+    """The quantizing build adds x's width to the move and changes no other kernel's parameters;
+    the quantizer's e4m3 conversion is in it and not in the plain build."""
+    kernels_of = lambda text: re.findall(r"\.entry (\w+)\(", text)  # noqa: E731
+    assert kernels_of(ptx) == kernels_of(quantize_ptx)
+    for name in kernels_of(ptx):
+        if name != "epserve_dispatch_move":
+            assert param_sizes(ptx, name) == param_sizes(quantize_ptx, name), name
+    assert param_sizes(quantize_ptx, "epserve_dispatch_move") == param_sizes(ptx, "epserve_dispatch_move") + [4]
+    assert "e4m3x2" in quantize_ptx and "e4m3x2" not in ptx
 
 
 def test_direct_launches_across_nodes_match_their_kernels(ptx, fakes, monkeypatch):
