@@ -32,10 +32,10 @@ import numpy as np
 from epserve.arrays import BF16, checked_array
 from epserve.combine.combiner import Combiner
 from epserve.comm import mpi as ep_comm
+from epserve.comm import signals as sig
 from epserve.comm.nccl import gpus_shared, make_nccl
 from epserve.comm.off_node import agree_carrier, make_off_node
 from epserve.comm.peers import PeerGroup
-from epserve.comm import signals as sig
 from epserve.comm.signals import SignalBlock
 from epserve.comm.topology import gather_node_layout
 from epserve.config import MoEConfig, check_agreement
