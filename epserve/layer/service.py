@@ -24,6 +24,7 @@ message) and leaves the service usable.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import cupy
@@ -32,10 +33,10 @@ import numpy as np
 from epserve.arrays import BF16, checked_array
 from epserve.combine.combiner import Combiner
 from epserve.comm import mpi as ep_comm
+from epserve.comm import signals as sig
 from epserve.comm.nccl import gpus_shared, make_nccl
 from epserve.comm.off_node import agree_carrier, make_off_node
 from epserve.comm.peers import PeerGroup
-from epserve.comm import signals as sig
 from epserve.comm.signals import SignalBlock
 from epserve.comm.topology import gather_node_layout
 from epserve.config import MoEConfig, check_agreement
@@ -172,7 +173,7 @@ class EPService:
         # forward's default path replayed per (tokens, stream, weights): runtime/replay.py.
         # replay_forward = False builds every call's launches anew (the same bits).
         self.replay_forward = True
-        self._checked_weights = {}  # (id(w13), id(w2)) -> (w13, w2 as checked, w13, w2): see _weights
+        self._checked_weights = {}  # (id(w13), id(w2)) -> weak references to them and to them checked
         self._arm_combine = (u64(self.signals.local(sig.EXPECTED)), i32(c.hidden // 64))  # the combine's units a row
         self._replays = {}
         self.replayed_calls = 0
@@ -192,16 +193,19 @@ class EPService:
 
     def _weights(self, w13, w2):
         # CuPy arrays cannot change shape, dtype, layout or device in place: ones checked
-        # before (held here, so their ids stay theirs) pass again without the checks.
+        # before pass again without the checks. Held by weak references, so the service keeps
+        # no weights alive (an id can come back for another array: the references tell).
         key = (id(w13), id(w2))
         seen = self._checked_weights.get(key)
         if seen is not None:
-            return seen[0], seen[1]
+            given13, given2, checked13, checked2 = (ref() for ref in seen)
+            if given13 is w13 and given2 is w2 and checked13 is not None and checked2 is not None:
+                return checked13, checked2
         checked = self._check_weights(w13, w2)
         if type(w13) is cupy.ndarray and type(w2) is cupy.ndarray:
             if len(self._checked_weights) >= _MAX_REPLAYS:
                 self._checked_weights.clear()
-            self._checked_weights[key] = checked + (w13, w2)
+            self._checked_weights[key] = tuple(weakref.ref(a) for a in (w13, w2) + checked)
         return checked
 
     def _check_weights(self, w13, w2):

@@ -22,7 +22,7 @@ import sys
 import cupy
 import numpy as np
 from check_service import expect_error_everywhere, tokens_for  # siblings of this script
-from job_report import report
+from job_report import run_cases
 
 from epserve import EPService, MoEConfig, quantize_weights
 from epserve.check.fp8_layer_reference import quantized_weights, reference_layer_fp8
@@ -110,17 +110,7 @@ def main():
     p.add_argument("--seed", type=int, default=16)
     args = p.parse_args()
     comm = ep_comm.world()
-    rank = comm.Get_rank()
-    if rank == 0:
-        print(f"# cases: {len(SHAPES)}", flush=True)
-    bad = 0
-    for shape in SHAPES:
-        result = run_shape(comm, *shape, seed=args.seed)
-        report(comm, result)
-        bad += comm.allreduce(int(not result["ok"]))
-    if rank == 0:
-        print(f"# check_fp8: {'all cases passed' if not bad else f'{bad} failing (case, rank) pairs'}", flush=True)
-    return 1 if bad else 0
+    return run_cases(comm, "check_fp8", SHAPES, lambda shape: run_shape(comm, *shape, seed=args.seed))
 
 
 if __name__ == "__main__":

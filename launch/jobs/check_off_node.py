@@ -31,8 +31,8 @@ import sys
 
 import cupy
 import numpy as np
-from check_service import SHAPES, bad_inputs, experts_for, tokens_for  # siblings of this script
-from job_report import report
+from check_service import SHAPES, bad_inputs, experts_for, record, tokens_for  # siblings of this script
+from job_report import run_cases
 
 from epserve import EPService, MoEConfig
 from epserve.check.reference import reference_layer, rel_error
@@ -129,20 +129,9 @@ def main():
     p.add_argument("--shapes", type=int, default=len(SHAPES), help="the first N of check_service's shapes")
     args = p.parse_args()
     comm = ep_comm.world()
-    rank = comm.Get_rank()
-    shapes = SHAPES[: args.shapes]
-    if rank == 0:
-        print(f"# cases: {len(shapes)}", flush=True)
-    bad = 0
-    for n, (name, H, I, E, k, calls, opts) in enumerate(shapes):
-        failures, info = run_shape(comm, name, H, I, E, k, calls, opts, args.seed + 10 * n, args.ranks_per_node,
-                                   args.reference_ranks_per_node)
-        bad += bool(failures)
-        report(comm, dict(case=name, rank=rank, ok=not failures, failures=failures, **info))
-    total = comm.allreduce(bad)
-    if rank == 0:
-        print(f"# check_off_node: {'all cases passed' if not total else f'{total} failing case-ranks'}", flush=True)
-    return 1 if total else 0
+    return run_cases(comm, "check_off_node", list(enumerate(SHAPES[: args.shapes])), lambda case: record(
+        comm, case[1][0], *run_shape(comm, *case[1], args.seed + 10 * case[0], args.ranks_per_node,
+                                     args.reference_ranks_per_node)))
 
 
 if __name__ == "__main__":

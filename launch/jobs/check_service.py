@@ -20,7 +20,7 @@ import sys
 
 import cupy
 import numpy as np
-from job_report import report  # a sibling of this script
+from job_report import run_cases  # a sibling of this script
 
 from epserve import EPService, MoEConfig
 from epserve.check.reference import reference_layer, rel_error
@@ -253,18 +253,13 @@ def main():
     p.add_argument("--seed", type=int, default=99)
     args = p.parse_args()
     comm = ep_comm.world()
-    rank = comm.Get_rank()
-    if rank == 0:
-        print(f"# cases: {len(SHAPES)}", flush=True)
-    bad = 0
-    for n, (name, H, I, E, k, calls, opts) in enumerate(SHAPES):
-        failures, info = run_shape(comm, name, H, I, E, k, calls, opts, args.seed + 10 * n)
-        bad += bool(failures)
-        report(comm, dict(case=name, rank=rank, ok=not failures, failures=failures, **info))
-    total = comm.allreduce(bad)
-    if rank == 0:
-        print(f"# check_service: {'all cases passed' if not total else f'{total} failing case-ranks'}", flush=True)
-    return 1 if total else 0
+    return run_cases(comm, "check_service", list(enumerate(SHAPES)), lambda case: record(comm, case[1][0], *run_shape(
+        comm, *case[1], args.seed + 10 * case[0])))
+
+
+def record(comm, name: str, failures, info) -> dict:
+    """One rank's record of shape `name`, as run_cases reports it."""
+    return dict(case=name, rank=comm.Get_rank(), ok=not failures, failures=failures, **info)
 
 
 if __name__ == "__main__":

@@ -31,19 +31,6 @@ class FakeArray:
         self.data = type("Memory", (), {"ptr": ptr})()
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    from cupy_backends.cuda.api import driver
-
-    seen = []
-
-    def record(function, gx, gy, gz, bx, by, bz, shared_mem, stream, params, extra):
-        seen.append(((function, gx, gy, gz, bx, by, bz, shared_mem, stream, extra), params))
-
-    monkeypatch.setattr(driver, "launchKernel", record)
-    return seen
-
-
 def read(params_address: int, index: int, size: int) -> bytes:
     address = ctypes.c_uint64.from_address(params_address + 8 * index).value
     return ctypes.string_at(address, size)

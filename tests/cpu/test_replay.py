@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("cupy")
 
-from test_prepared_launch import FakeArray, FakeKernel, launches, read  # noqa: E402,F401  (the fixture)
+from test_prepared_launch import FakeArray, FakeKernel, read  # noqa: E402
 
 from epserve.runtime import launch, replay  # noqa: E402
 from epserve.runtime.kernel_structs import i32, launch_arg, u64  # noqa: E402
