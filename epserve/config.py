@@ -9,7 +9,7 @@ import numbers
 
 from epserve.dispatch.host_plan import MAX_SLOTS, MAX_TOKENS
 from epserve.errors import ConfigError, RankMismatchError
-from epserve.runtime.kernel_structs import MAX_EXPERTS, MAX_LOCAL_EXPERTS, MAX_PEERS
+from epserve.runtime.kernel_structs import MAX_EXPERTS, MAX_LOCAL_EXPERTS, MAX_PEERS, MAX_WORLD
 
 # The GEMMs tile the hidden and intermediate dimensions by this many elements.
 KERNEL_TILE = 64
@@ -34,8 +34,12 @@ class MoEConfig:
                          a multiple of 64.
     max_tokens_per_rank  the most tokens T one rank passes to one call (up to 2**20); the
                          receive buffers are sized by it when the service starts.
-    world_size           W, the number of ranks (1..8: the peer paths stay inside one
-                         NVLink domain); it must equal the communicator's size.
+    world_size           W, the number of ranks (1..128: src_info names the source rank in
+                         7 bits); it must equal the communicator's size. A node (the ranks
+                         that reach each other through CUDA IPC) holds at most 8 of them;
+                         the rows for other nodes go by the off-node carrier
+                         (docs/design.md, "Across nodes"), so more than 8 ranks need more
+                         than one node (checked at setup, epserve/comm/topology.py).
     max_recv_rows        the most expert rows one rank may receive in one call; None means
                          the worst case, max_tokens_per_rank * W * min(k, E/W). A smaller
                          value saves memory; a call whose routing needs more raises
@@ -90,8 +94,9 @@ class MoEConfig:
             _require_positive_int(name, getattr(self, name))
         if self.max_recv_rows is not None:
             _require_positive_int("max_recv_rows", self.max_recv_rows)
-        _require_at_most("world_size", self.world_size, MAX_PEERS,
-                         "the peer paths reach the GPUs of one NVLink domain")
+        _require_at_most("world_size", self.world_size, MAX_WORLD,
+                         "src_info names the source rank in 7 bits; a node holds at most "
+                         f"{MAX_PEERS} of them")
         _require_at_most("top_k", self.top_k, MAX_SLOTS, "src_info packs the slot in 4 bits")
         _require_at_most("max_tokens_per_rank", self.max_tokens_per_rank, MAX_TOKENS,
                          "src_info packs the token in 20 bits")

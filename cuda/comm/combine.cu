@@ -6,19 +6,22 @@
 //   epserve_release_recv     : the release alone (a rank that takes part in a call with no tokens)
 #include "common/bf16.cuh"
 #include "common/errors.cuh"
+#include "comm/peer_counters.cuh"
 #include "sinks/peer_send_config.cuh"
 
 using namespace epserve;
 
-// expected[s] += units of this call's slots whose expert rank s owns. Each thread counts in
-// registers and adds once per rank: one shared counter hit by every slot would serialize.
-// A call the dispatch verdict stopped (status) sends nothing, so nothing is expected.
+// expected[s] += units of this call's slots whose expert rank s owns. Each thread counts the
+// first EPSERVE_MAX_PEERS ranks in registers and adds once per rank (one shared counter hit by
+// every slot would serialize); the slots of ranks past them (more than one node) go to the
+// shared counters directly. A call the dispatch verdict stopped (status) sends nothing, so
+// nothing is expected.
 extern "C" __global__ void epserve_combine_arm(const int* __restrict__ topk_idx, int T, int k, int experts_per_rank,
                                                int world, int units_per_slot, unsigned long long* expected,
                                                const int* status) {
   if (call_stopped(status)) return;
-  __shared__ unsigned int per_source[EPSERVE_MAX_PEERS];
-  if (threadIdx.x < EPSERVE_MAX_PEERS) per_source[threadIdx.x] = 0;
+  __shared__ unsigned int per_source[EPSERVE_MAX_WORLD];
+  for (int d = threadIdx.x; d < world; d += blockDim.x) per_source[d] = 0;
   __syncthreads();
   unsigned int mine[EPSERVE_MAX_PEERS] = {};
   for (int i = threadIdx.x; i < T * k; i += blockDim.x) {
@@ -27,31 +30,28 @@ extern "C" __global__ void epserve_combine_arm(const int* __restrict__ topk_idx,
     const int s = e / experts_per_rank;
 #pragma unroll
     for (int d = 0; d < EPSERVE_MAX_PEERS; ++d) mine[d] += s == d;
+    if (s >= EPSERVE_MAX_PEERS) atomicAdd(&per_source[s], 1u);
   }
 #pragma unroll
   for (int d = 0; d < EPSERVE_MAX_PEERS; ++d)
     if (d < world && mine[d]) atomicAdd(&per_source[d], mine[d]);
   __syncthreads();
-  if (threadIdx.x < world) expected[threadIdx.x] += static_cast<unsigned long long>(per_source[threadIdx.x]) * units_per_slot;
+  for (int d = threadIdx.x; d < world; d += blockDim.x)
+    expected[d] += static_cast<unsigned long long>(per_source[d]) * units_per_slot;
 }
-
-struct PeerCounters {
-  unsigned long long* ready[EPSERVE_MAX_PEERS];  // each rank's ready array, as mapped here
-};
 
 // The last block of the reduction to finish tells every peer that recv has been read, so no
 // separate release launch follows it. blocks_done counts the blocks and is reset by that last
 // block, so launches and graph replays need no memset. Every block's reads of recv happen
 // before its fenced increment, and the release comes after the last increment.
-__device__ __forceinline__ void release_when_last(unsigned int* blocks_done, const PeerCounters& peers, int rank,
-                                                  int world) {
+__device__ __forceinline__ void release_when_last(unsigned int* blocks_done, const PeerCounters& peers, int rank) {
   __syncthreads();
   if (threadIdx.x != 0) return;
   __threadfence();
   if (atomicAdd(blocks_done, 1u) != gridDim.x - 1) return;
   *blocks_done = 0;
   __threadfence();
-  for (int d = 0; d < world; ++d) red_release_sys_add(peers.ready[d] + rank, 1ull);
+  for (int p = 0; p < peers.ranks_per_node; ++p) red_release_sys_add(peers.ready[p] + rank, 1ull);
 }
 
 // A failed call's output is NaN: never a plausible-looking result (docs/design.md, "Error semantics").
@@ -90,7 +90,7 @@ extern "C" __global__ void epserve_combine_reduce(const bf16_t* __restrict__ rec
   __syncthreads();
   if (!ok) {
     poison_tokens(out, T, H);
-    release_when_last(blocks_done, peers, rank, world);
+    release_when_last(blocks_done, peers, rank);
     return;
   }
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
@@ -117,11 +117,11 @@ extern "C" __global__ void epserve_combine_reduce(const bf16_t* __restrict__ rec
       *reinterpret_cast<uint4*>(out + static_cast<long long>(t) * H + c) = o;
     }
   }
-  release_when_last(blocks_done, peers, rank, world);
+  release_when_last(blocks_done, peers, rank);
 }
 
 // recv may now be overwritten by the next combine: the peers' stores for it wait on this.
-extern "C" __global__ void epserve_release_recv(const PeerCounters peers, int rank, int world) {
-  const int d = threadIdx.x;
-  if (d < world) red_release_sys_add(peers.ready[d] + rank, 1ull);
+extern "C" __global__ void epserve_release_recv(const PeerCounters peers, int rank) {
+  const int p = threadIdx.x;
+  if (p < peers.ranks_per_node) red_release_sys_add(peers.ready[p] + rank, 1ull);
 }

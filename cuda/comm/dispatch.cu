@@ -36,37 +36,57 @@
 #include "comm/dispatch_layout.cuh"
 #include "comm/dispatch_route.cuh"
 
+// The route's kernels come twice: for up to EPSERVE_MAX_PEERS ranks (one node; a token's
+// destination set is one register) and, named *_wide, for up to EPSERVE_MAX_WORLD (a set of
+// kWideWords registers). One source; the host picks by the world (epserve/dispatch/route.py),
+// so the one-node kernels keep their registers whatever the wide ones need.
+#define EPSERVE_ONE_NODE_AND_WIDE(bounds, name, body, params, args) \
+  extern "C" __global__ void bounds name params { body<1> args; }  \
+  extern "C" __global__ void bounds name##_wide params { body<kWideWords> args; }
+
 // Count + publish, over many CTAs of kCountThreads: each warp counts its chunks; the last CTA
 // to finish scans them (chunk bases for the rank kernel, this rank's count row) and publishes
 // the count row to every rank's table. done: this kernel's zeroed counter of finished CTAs,
 // left zero. Dynamic shared memory: kCountThreads / 32 * (E + W) ints.
-extern "C" __global__ void __launch_bounds__(kCountThreads, 1)
-    epserve_dispatch_route_count_publish(const int* __restrict__ topk_idx, int T, int input_error,
-                                         const DispatchConfig cfg, int* __restrict__ chunk_counts,
-                                         int* __restrict__ bad_slot, unsigned* __restrict__ done) {
-  __shared__ int totals[EPSERVE_MAX_EXPERTS + EPSERVE_MAX_PEERS];
+template <int kWords>
+__device__ __forceinline__ void route_count_publish(const int* __restrict__ topk_idx, int T, int input_error,
+                                                    const DispatchConfig& cfg, int* __restrict__ chunk_counts,
+                                                    int* __restrict__ bad_slot, unsigned* __restrict__ done) {
+  __shared__ int totals[EPSERVE_MAX_EXPERTS + EPSERVE_MAX_WORLD];
   __shared__ int bad;
-  count_chunks(topk_idx, T, cfg, chunk_counts, bad_slot);
+  count_chunks<kWords>(topk_idx, T, cfg, chunk_counts, bad_slot);
   if (!last_block_to_finish(done)) return;
   route_totals(topk_idx, T, input_error, cfg, chunk_counts, bad_slot, totals, &bad);
   publish_count_row(cfg, totals, bad, input_error);
 }
+EPSERVE_ONE_NODE_AND_WIDE(__launch_bounds__(kCountThreads, 1), epserve_dispatch_route_count_publish,
+                          route_count_publish,
+                          (const int* __restrict__ topk_idx, int T, int input_error, const DispatchConfig cfg,
+                           int* __restrict__ chunk_counts, int* __restrict__ bad_slot, unsigned* __restrict__ done),
+                          (topk_idx, T, input_error, cfg, chunk_counts, bad_slot, done))
 
 // Rank + layout, over many CTAs of kRankThreads: each warp ranks its chunks; the last CTA to
 // finish waits for every rank's count row and writes the verdict, expert_offsets and the
 // per-source bases (direct_layout). done: as count + publish's, a counter of its own.
 // arm_expected (or null) and units_per_slot: the combine's arm, done by the layout (forward).
 // Dynamic shared memory: kRankWarps * (E + W) ints.
-extern "C" __global__ void __launch_bounds__(kRankThreads)
-    epserve_dispatch_route_rank_layout(const int* __restrict__ topk_idx, int T, const DispatchConfig cfg,
-                                       const int* __restrict__ chunk_bases, int* __restrict__ tok_pos,
-                                       int* __restrict__ slot_rank, unsigned* __restrict__ done,
-                                       int* __restrict__ expert_offsets, int* __restrict__ base,
-                                       unsigned long long* arm_expected, int units_per_slot) {
-  rank_chunks(topk_idx, T, cfg, chunk_bases, tok_pos, slot_rank);
+template <int kWords>
+__device__ __forceinline__ void route_rank_layout(const int* __restrict__ topk_idx, int T, const DispatchConfig& cfg,
+                                                  const int* __restrict__ chunk_bases, int* __restrict__ tok_pos,
+                                                  int* __restrict__ slot_rank, unsigned* __restrict__ done,
+                                                  int* __restrict__ expert_offsets, int* __restrict__ base,
+                                                  unsigned long long* arm_expected, int units_per_slot) {
+  rank_chunks<kWords>(topk_idx, T, cfg, chunk_bases, tok_pos, slot_rank);
   if (!last_block_to_finish(done)) return;
   direct_layout(cfg, expert_offsets, base, arm_expected, units_per_slot);
 }
+EPSERVE_ONE_NODE_AND_WIDE(__launch_bounds__(kRankThreads), epserve_dispatch_route_rank_layout, route_rank_layout,
+                          (const int* __restrict__ topk_idx, int T, const DispatchConfig cfg,
+                           const int* __restrict__ chunk_bases, int* __restrict__ tok_pos,
+                           int* __restrict__ slot_rank, unsigned* __restrict__ done, int* __restrict__ expert_offsets,
+                           int* __restrict__ base, unsigned long long* arm_expected, int units_per_slot),
+                          (topk_idx, T, cfg, chunk_bases, tok_pos, slot_rank, done, expert_offsets, base,
+                           arm_expected, units_per_slot))
 
 #ifdef EPSERVE_DISPATCH_STAMPS
 // Instrumentation for launch/jobs/time_dispatch.py only (a module built with this define):
@@ -105,19 +125,41 @@ __device__ __forceinline__ void token_row_to_many(uint4* my_dst, unsigned lanes,
 #endif
 }
 
+// Where this rank's token rows for destination rank d go: on this node, d's token region for
+// this rank (row pos at (rank * max_tokens + pos) * H), over IPC; on another node, d's block of
+// the dispatch staging (row pos at pos * H), which the off-node carrier takes to d's token
+// region after the kernel (docs/design.md, "Across nodes"). The routing likewise.
+__device__ __forceinline__ bf16_t* token_dst(const DispatchConfig& cfg, int d, int pos) {
+  const int p = node_index(d, cfg.node_first, cfg.ranks_per_node);
+  if (p >= 0) return cfg.tokens[p] + (static_cast<long long>(cfg.rank) * cfg.max_tokens + pos) * cfg.hidden;
+  const long long block = off_node_block(d, cfg.node_first, cfg.ranks_per_node);
+  return reinterpret_cast<bf16_t*>(cfg.off_blocks + block * cfg.off_block_bytes) + static_cast<long long>(pos) * cfg.hidden;
+}
+__device__ __forceinline__ int* meta_dst(const DispatchConfig& cfg, int d, int pos, int meta_len) {
+  const int p = node_index(d, cfg.node_first, cfg.ranks_per_node);
+  if (p >= 0) return cfg.meta[p] + (static_cast<long long>(cfg.rank) * cfg.max_tokens + pos) * meta_len;
+  const long long block = off_node_block(d, cfg.node_first, cfg.ranks_per_node);
+  return reinterpret_cast<int*>(cfg.off_blocks + block * cfg.off_block_bytes +
+                                static_cast<long long>(cfg.max_tokens) * cfg.hidden * 2) +
+         static_cast<long long>(pos) * meta_len;
+}
+
 // One warp per token: its row to every other destination that owns one of its experts, once,
 // its routing beside it. A destination's rows of this rank land in position order (tok_pos
 // grows with the token), and the warps walk the tokens in waves of one token each, so the
 // chunks of positions fill up roughly in order: each row adds 1 to its chunk's counter
-// there, after a system-scope fence, and the destination expands a chunk when it is whole.
+// there (a destination on this node), after a system-scope fence, and the destination
+// expands a chunk when it is whole. A destination on another node gets the row in its
+// staging block, carried after the kernel, and no counter.
 // This rank's own rows never go through a token region: with own_in_send the same warp
 // stores them into this rank's expert rows from the registers it loaded the row into (x is
 // read once for both), with src_info; without it, expand reads them from x again.
-// Lanes: d < W holds destination d's token-region row, kOwnLane + j this rank's expert row of
-// slot j, so one copy_row_to_many stores to both (the peers' first: their stores are the
-// slower ones).
-constexpr int kOwnLane = EPSERVE_MAX_PEERS;
-static_assert(kOwnLane + kMaxTopK <= 32, "a lane per destination and a lane per slot");
+// Lanes: [0, kOwnLane) the destinations, kOwnLane + j this rank's expert row of slot j, so one
+// copy_row_to_many stores to both (the peers' first: their stores are the slower ones). Up to
+// EPSERVE_MAX_PEERS ranks, lane d is rank d; with more, lane j is the destination of slot j,
+// when j is the first slot of the token that picks that rank (at most top_k destinations).
+constexpr int kOwnLane = kMaxTopK;
+static_assert(kOwnLane + kMaxTopK <= 32 && EPSERVE_MAX_PEERS <= kOwnLane, "a lane per destination and per slot");
 __device__ void send_tokens(const bf16_t* __restrict__ x, int x_cols, int T, const int* __restrict__ topk_idx,
                             const int* __restrict__ tok_pos, const int* __restrict__ slot_rank, const DispatchConfig& cfg,
                             const int* __restrict__ base, bf16_t* __restrict__ a, int* __restrict__ src_info,
@@ -125,9 +167,17 @@ __device__ void send_tokens(const bf16_t* __restrict__ x, int x_cols, int T, con
                             int block, int grid) {
   const int W = cfg.world, k = cfg.top_k, H = cfg.hidden, e_loc = cfg.num_experts / W, meta_len = 1 + 2 * k;
   const int rank = cfg.rank, lane = threadIdx.x & 31, warps = blockDim.x >> 5, j = lane - kOwnLane;
+  const bool lane_per_rank = W <= EPSERVE_MAX_PEERS;  // warp-uniform
   if (call_stopped(cfg.status)) return;
   for (int t = block * warps + (threadIdx.x >> 5); t < T; t += grid * warps) {
-    const int pos = lane < W && lane != rank ? tok_pos[t * W + lane] : -1;  // lane d: the position at d
+    int dest = lane < W && lane != rank ? lane : -1;  // this lane's destination rank
+    if (!lane_per_rank) {
+      const int e = lane < k ? topk_idx[t * k + lane] : -1;  // ids are valid: the verdict let the call go on
+      const int d = e >= 0 ? e / e_loc : -1 - lane;          // unused slots and lanes match nobody
+      const unsigned same = __match_any_sync(0xffffffffu, d);
+      dest = d >= 0 && d != rank && __ffs(same) - 1 == lane ? d : -1;
+    }
+    const int pos = dest >= 0 ? tok_pos[t * W + dest] : -1;  // the position at dest
     const unsigned to = __ballot_sync(0xffffffffu, pos >= 0);
     int m = -1;  // lane kOwnLane + j: this rank's expert row of slot j, when the slot picks one of its experts
     if (own_in_send && j >= 0 && j < k) {
@@ -136,8 +186,7 @@ __device__ void send_tokens(const bf16_t* __restrict__ x, int x_cols, int T, con
     }
     const unsigned own = __ballot_sync(0xffffffffu, m >= 0);
     if (!(to | own)) continue;
-    const long long slot = static_cast<long long>(rank) * cfg.max_tokens + pos;
-    uint4* dst = pos >= 0 ? reinterpret_cast<uint4*>(cfg.tokens[lane] + slot * H)
+    uint4* dst = pos >= 0 ? reinterpret_cast<uint4*>(token_dst(cfg, dest, pos))
                  : m >= 0 ? reinterpret_cast<uint4*>(a + static_cast<long long>(m) * H)
                           : nullptr;
     token_row_to_many(dst, to | own, x, t, H, x_cols, lane);
@@ -146,9 +195,10 @@ __device__ void send_tokens(const bf16_t* __restrict__ x, int x_cols, int T, con
     const int e = lane < k ? topk_idx[t * k + lane] : -1;
     const int r = lane < k ? slot_rank[t * k + lane] : -1;
     for (unsigned mask = to; mask; mask &= mask - 1) {
-      const int d = __ffs(mask) - 1;
-      const int p = __shfl_sync(0xffffffffu, pos, d);
-      int* meta = cfg.meta[d] + (static_cast<long long>(rank) * cfg.max_tokens + p) * meta_len;
+      const int l = __ffs(mask) - 1;
+      const int d = lane_per_rank ? l : __shfl_sync(0xffffffffu, dest, l);
+      const int p = __shfl_sync(0xffffffffu, pos, l);
+      int* meta = meta_dst(cfg, d, p, meta_len);
       if (lane == 0) meta[0] = t;
       if (lane < k) {
         const bool here = e >= 0 && e / e_loc == d;
@@ -158,7 +208,8 @@ __device__ void send_tokens(const bf16_t* __restrict__ x, int x_cols, int T, con
     }
     fence_acq_rel_sys();
     __syncwarp();
-    if (pos >= 0) red_release_sys_add(chunk_arrive[lane] + rank * max_chunks + pos / kArrivalChunk, 1ull);
+    if (pos >= 0 && chunk_arrive[dest] != nullptr)  // null: another node's (no counter; the carrier follows)
+      red_release_sys_add(chunk_arrive[dest] + rank * max_chunks + pos / kArrivalChunk, 1ull);
   }
   move_stamp(2);
 }
@@ -196,19 +247,19 @@ __device__ void expand_tokens(const bf16_t* __restrict__ x, int x_cols, int T, c
   // (off_node false: the move kernel, rows stored over IPC as they arrive) or the ranks of
   // the other nodes (off_node true: after the carrier landed their blocks, no waits;
   // docs/design.md, "Across nodes"). With one node, every other rank is of this node.
-  __shared__ int first[EPSERVE_MAX_PEERS + 1];
-  __shared__ int order[EPSERVE_MAX_PEERS];  // the sources, in the order their rows are taken
+  __shared__ int first[EPSERVE_MAX_WORLD + 1];
+  __shared__ int order[EPSERVE_MAX_WORLD];  // the sources, in the order their rows are taken
   __shared__ int sources;
+  const int me = rank - cfg.node_first;     // this rank's local index: its own tables
   if (call_stopped(cfg.status)) return;
   if (off_node && call_failed(cfg.status)) return;
   if (threadIdx.x == 0) {
-    const int* table = cfg.count_table[rank];
-    const int R = cfg.ranks_per_node, node = rank / R;
+    const int* table = cfg.count_table[me];
     first[0] = T;
     int n = 0;
     for (int i = 1; i < W; ++i) {
       const int s = (rank + i) % W;
-      if ((s / R != node) != off_node) continue;
+      if ((node_index(s, cfg.node_first, cfg.ranks_per_node) < 0) != off_node) continue;
       order[n] = s;
       first[n + 1] = first[n] + ld_cg_s32(table + s * row + E + rank);
       ++n;
@@ -251,11 +302,11 @@ __device__ void expand_tokens(const bf16_t* __restrict__ x, int x_cols, int T, c
         have = key;
       }
       const long long slot = static_cast<long long>(s) * cfg.max_tokens + pos;
-      const int* meta = cfg.meta[rank] + slot * meta_len;
+      const int* meta = cfg.meta[me] + slot * meta_len;
       t = ld_cg_s32(meta);
       const int e = lane < k ? ld_cg_s32(meta + 1 + lane) : -1;
       if (e >= 0) m = base[s * e_loc + e] + ld_cg_s32(meta + 1 + k + lane);
-      src = reinterpret_cast<const uint4*>(cfg.tokens[rank] + slot * H);
+      src = reinterpret_cast<const uint4*>(cfg.tokens[me] + slot * H);
     }
     const unsigned rows = __ballot_sync(0xffffffffu, m >= 0);
     if (!rows) continue;  // an own token that feeds no expert here
@@ -273,21 +324,22 @@ __device__ void expand_tokens(const bf16_t* __restrict__ x, int x_cols, int T, c
 }
 
 // The end of every dispatch, stopped or not, by one block: the token regions and the count
-// table may take the next call, and this rank's epoch (ready[rank]) moves on. The rows each
+// table may take the next call (for this node's ranks; the other nodes' wrote through the
+// carrier, ordered on the stream), and this rank's epoch (ready[rank]) moves on. The rows each
 // chunk of each other source was promised move on only when rows were sent, that is, unless
 // the verdict stopped the call.
 __device__ void release_dispatch(const DispatchConfig& cfg, unsigned long long* __restrict__ expected_chunk,
                                  int max_chunks) {
   const int E = cfg.num_experts, W = cfg.world, row = E + W + 1, rank = cfg.rank;
   if (!call_stopped(cfg.status)) {
-    const int* table = cfg.count_table[rank];
+    const int* table = cfg.count_table[rank - cfg.node_first];
     for (int i = threadIdx.x; i < W * max_chunks; i += blockDim.x) {
       const int s = i / max_chunks;
       if (s != rank) expected_chunk[i] += chunk_rows(ld_cg_s32(table + s * row + E + rank), i - s * max_chunks);
     }
   }
   __syncthreads();  // every read of the count table is done before the peers may overwrite it
-  if (threadIdx.x < W) red_release_sys_add(cfg.ready[threadIdx.x] + rank, 1ull);
+  if (threadIdx.x < cfg.ranks_per_node) red_release_sys_add(cfg.ready[threadIdx.x] + rank, 1ull);
 }
 
 // send and expand in one launch, so expansion overlaps arrival: blocks [0, send_blocks)
@@ -373,14 +425,14 @@ __device__ __forceinline__ int peer_block(int d, int rank) { return d - (d > ran
 
 // Count + publish as the direct transport's, except that the count row goes into this rank's
 // row of the local table, which the ncclAllGather that follows fills with every rank's.
-extern "C" __global__ void __launch_bounds__(kCountThreads, 1)
-    epserve_nccl_dispatch_count_publish(const int* __restrict__ topk_idx, int T, int input_error,
-                                        const DispatchConfig cfg, int* __restrict__ chunk_counts,
-                                        int* __restrict__ bad_slot, unsigned* __restrict__ done,
-                                        int* __restrict__ table) {
-  __shared__ int totals[EPSERVE_MAX_EXPERTS + EPSERVE_MAX_PEERS];
+template <int kWords>
+__device__ __forceinline__ void nccl_count_publish(const int* __restrict__ topk_idx, int T, int input_error,
+                                                   const DispatchConfig& cfg, int* __restrict__ chunk_counts,
+                                                   int* __restrict__ bad_slot, unsigned* __restrict__ done,
+                                                   int* __restrict__ table) {
+  __shared__ int totals[EPSERVE_MAX_EXPERTS + EPSERVE_MAX_WORLD];
   __shared__ int bad;
-  count_chunks(topk_idx, T, cfg, chunk_counts, bad_slot);
+  count_chunks<kWords>(topk_idx, T, cfg, chunk_counts, bad_slot);
   if (!last_block_to_finish(done)) return;
   const int width = cfg.num_experts + cfg.world;
   route_totals(topk_idx, T, input_error, cfg, chunk_counts, bad_slot, totals, &bad);
@@ -389,19 +441,33 @@ extern "C" __global__ void __launch_bounds__(kCountThreads, 1)
   int* dst = table + cfg.rank * (width + 1);
   for (int i = threadIdx.x; i <= width; i += blockDim.x) dst[i] = i < width ? (error_code ? 0 : totals[i]) : error_code;
 }
+EPSERVE_ONE_NODE_AND_WIDE(__launch_bounds__(kCountThreads, 1), epserve_nccl_dispatch_count_publish, nccl_count_publish,
+                          (const int* __restrict__ topk_idx, int T, int input_error, const DispatchConfig cfg,
+                           int* __restrict__ chunk_counts, int* __restrict__ bad_slot, unsigned* __restrict__ done,
+                           int* __restrict__ table),
+                          (topk_idx, T, input_error, cfg, chunk_counts, bad_slot, done, table))
 
 // Rank + layout as the direct transport's, the layout from the gathered table plus the
 // combine's return positions (nccl_layout).
-extern "C" __global__ void __launch_bounds__(kRankThreads)
-    epserve_nccl_dispatch_rank_layout(const int* __restrict__ topk_idx, int T, const DispatchConfig cfg,
-                                      const int* __restrict__ chunk_bases, int* __restrict__ tok_pos,
-                                      int* __restrict__ slot_rank, unsigned* __restrict__ done,
-                                      const int* __restrict__ table, int* __restrict__ expert_offsets,
-                                      int* __restrict__ base, int* __restrict__ ret_base, int* __restrict__ home_base) {
-  rank_chunks(topk_idx, T, cfg, chunk_bases, tok_pos, slot_rank);
+template <int kWords>
+__device__ __forceinline__ void nccl_rank_layout(const int* __restrict__ topk_idx, int T, const DispatchConfig& cfg,
+                                                 const int* __restrict__ chunk_bases, int* __restrict__ tok_pos,
+                                                 int* __restrict__ slot_rank, unsigned* __restrict__ done,
+                                                 const int* __restrict__ table, int* __restrict__ expert_offsets,
+                                                 int* __restrict__ base, int* __restrict__ ret_base,
+                                                 int* __restrict__ home_base) {
+  rank_chunks<kWords>(topk_idx, T, cfg, chunk_bases, tok_pos, slot_rank);
   if (!last_block_to_finish(done)) return;
   nccl_layout(cfg, table, expert_offsets, base, ret_base, home_base);
 }
+EPSERVE_ONE_NODE_AND_WIDE(__launch_bounds__(kRankThreads), epserve_nccl_dispatch_rank_layout, nccl_rank_layout,
+                          (const int* __restrict__ topk_idx, int T, const DispatchConfig cfg,
+                           const int* __restrict__ chunk_bases, int* __restrict__ tok_pos,
+                           int* __restrict__ slot_rank, unsigned* __restrict__ done, const int* __restrict__ table,
+                           int* __restrict__ expert_offsets, int* __restrict__ base, int* __restrict__ ret_base,
+                           int* __restrict__ home_base),
+                          (topk_idx, T, cfg, chunk_bases, tok_pos, slot_rank, done, table, expert_offsets, base,
+                           ret_base, home_base))
 
 // One warp per token: its row and routing into each destination's block at its position
 // there (tok_pos), once per destination; blocks: send_tok [W - 1][max_tokens][H] for peers,
@@ -452,7 +518,7 @@ extern "C" __global__ void __launch_bounds__(kMoveThreads)
   if (call_stopped(cfg.status)) return;
   const int E = cfg.num_experts, W = cfg.world, k = cfg.top_k, H = cfg.hidden, e_loc = E / W, row = E + W + 1;
   const int meta_len = 1 + 2 * k, rank = cfg.rank;
-  __shared__ int first[EPSERVE_MAX_PEERS + 1];  // prefix of token rows per source
+  __shared__ int first[EPSERVE_MAX_WORLD + 1];  // prefix of token rows per source
   if (threadIdx.x == 0) {
     first[0] = 0;
     for (int s = 0; s < W; ++s) first[s + 1] = first[s] + ld_cg_s32(table + s * row + E + rank);

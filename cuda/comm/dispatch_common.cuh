@@ -26,6 +26,39 @@ constexpr int kChunk = 32;          // tokens per warp-chunk in route
 constexpr int kMoveThreads = 256;   // send and expand: a warp per token row
 constexpr int kMaxTopK = 16;        // MoEConfig's limit (src_info packs the slot in 4 bits)
 
+// A set of destination ranks in registers, bit d % 32 of word d / 32. One word is a plain mask;
+// with more, every word is indexed by a constant once the loops unroll, so the set stays in
+// registers (no local memory). The route's kernels come in both: one word up to
+// EPSERVE_MAX_PEERS ranks (one node: its code as before), the wide set beyond, in the _wide
+// kernels (so that 16 ranks, the GPU test, run the code 128 ranks run).
+template <int kWords>
+struct DestSet {
+  unsigned w[kWords];
+  __device__ __forceinline__ DestSet() {
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) w[i] = 0;
+  }
+  __device__ __forceinline__ void add(int d) {
+    if constexpr (kWords == 1) {
+      w[0] |= 1u << d;
+    } else {
+#pragma unroll
+      for (int i = 0; i < kWords; ++i) w[i] |= (d >> 5) == i ? 1u << (d & 31) : 0u;
+    }
+  }
+  __device__ __forceinline__ bool has(int d) const {
+    if constexpr (kWords == 1) {
+      return w[0] >> d & 1;
+    } else {
+      unsigned x = 0;
+#pragma unroll
+      for (int i = 0; i < kWords; ++i) x = (d >> 5) == i ? w[i] : x;
+      return x >> (d & 31) & 1;
+    }
+  }
+};
+constexpr int kWideWords = EPSERVE_MAX_WORLD / 32;  // DestSet words for any world
+
 // What other GPUs wrote, read from L2 (never a stale L1 line). Not volatile: the reads
 // follow an acquire and a barrier, and the compiler may batch them.
 __device__ __forceinline__ int ld_cg_s32(const int* p) { return __ldcg(p); }

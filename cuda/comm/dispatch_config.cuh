@@ -5,18 +5,25 @@
 #pragma once
 #include "sinks/peer_send_config.cuh"
 
+// The address tables hold this node's ranks, by local index (rank - node_first; common/nodes.cuh);
+// the other nodes' ranks are reached through the off-node staging (off_*), by arithmetic.
 struct DispatchConfig {
-  int* count_table[EPSERVE_MAX_PEERS];                  // each rank's [W][E + W + 1] count table, as mapped here
-  bf16_t* tokens[EPSERVE_MAX_PEERS];                    // each rank's token regions [W][max_tokens][H]
-  int* meta[EPSERVE_MAX_PEERS];                         // each rank's routing of those rows [W][max_tokens][1 + 2k]
-  unsigned long long* count_arrive[EPSERVE_MAX_PEERS];  // each rank's count-row counters [EPSERVE_MAX_PEERS], by sender
-  unsigned long long* ready[EPSERVE_MAX_PEERS];         // each rank's dispatch-ready array
-  const unsigned long long* my_ready;                   // local: ready[d] = dispatches rank d has consumed;
-                                                        // my_ready[rank] is this rank's own: the epoch lives here
-  const unsigned long long* my_count_arrive;            // local [EPSERVE_MAX_PEERS], by sender
+  int* count_table[EPSERVE_MAX_PEERS];                  // this node's ranks' [W][E + W + 1] count tables, as mapped here
+  bf16_t* tokens[EPSERVE_MAX_PEERS];                    // their token regions [W][max_tokens][H]
+  int* meta[EPSERVE_MAX_PEERS];                         // their routing of those rows [W][max_tokens][1 + 2k]
+  unsigned long long* count_arrive[EPSERVE_MAX_PEERS];  // their count-row counters [W], by sender
+  unsigned long long* ready[EPSERVE_MAX_PEERS];         // their dispatch-ready arrays [W]
+  const unsigned long long* my_ready;                   // local [W]: ready[d] = dispatches rank d (of this node) has
+                                                        // consumed; my_ready[rank] is this rank's own: the epoch
+  const unsigned long long* my_count_arrive;            // local [W], by sender
   int* error;                                           // local error record
   int* status;                                          // local call status [2] (common/errors.cuh)
   unsigned long long timeout_ns;
+  int* off_count_row;                                   // across nodes, the dispatch staging: this rank's count row for
+                                                        // the other nodes (null on one node), and block
+  unsigned char* off_blocks;                            // off_node_block(d) of off-node rank d at off_blocks + block *
+  long long off_block_bytes;                            // off_block_bytes: its token rows [max_tokens][H], then their
+                                                        // routing [max_tokens][1 + 2k]
   int rank;
   int world;
   int num_experts;
@@ -27,6 +34,8 @@ struct DispatchConfig {
   int ranks_per_node;                                   // node n = ranks [n * R, (n + 1) * R): its peers are
                                                         // reached by IPC, the others' rows by the off-node
                                                         // carrier (epserve/comm/off_node.py); R = world: one node
+  int node_first;                                       // this rank's node's first rank
+  int reserved;
 };
 
 // The code a rank puts in its count row when its own input failed its host checks

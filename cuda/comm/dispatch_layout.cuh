@@ -32,23 +32,29 @@ __device__ bool layout_from_table(const DispatchConfig& cfg, const int* table, i
                                   int* __restrict__ base) {
   const int E = cfg.num_experts, W = cfg.world, e_loc = E / W, row = E + W + 1;
   __shared__ int total_rows, stopped;
-  __shared__ int rows_to[EPSERVE_MAX_PEERS];
+  __shared__ int rows_to[EPSERVE_MAX_WORLD];
   __shared__ int warp_sums[kLayoutThreads / 32];
-  if (threadIdx.x < EPSERVE_MAX_PEERS) rows_to[threadIdx.x] = 0;
+  static_assert(kLayoutThreads >= EPSERVE_MAX_WORLD, "a thread per destination");
+  if (threadIdx.x < EPSERVE_MAX_WORLD) rows_to[threadIdx.x] = 0;
   __syncthreads();
   const int e = threadIdx.x, lane = threadIdx.x & 31;  // local expert e of every rank
   const bool expert = e < e_loc;
-  // Rows every rank receives: thread e adds expert e of each destination over the sources.
+  // Rows every rank receives: thread e adds expert e of each destination over the sources,
+  // EPSERVE_MAX_PEERS destinations a round (one round on one node).
+  for (int d0 = 0; d0 < W; d0 += EPSERVE_MAX_PEERS) {
 #pragma unroll
-  for (int d = 0; d < EPSERVE_MAX_PEERS; ++d) {
-    if (d >= W) break;
-    int rows = 0;
-    for (int s = 0; expert && s < W; ++s) rows += ld_cg_s32(table + s * row + d * e_loc + e);
+    for (int i = 0; i < EPSERVE_MAX_PEERS; ++i) {
+      const int d = d0 + i;
+      if (d >= W) break;
+      int rows = 0;
+      for (int s = 0; expert && s < W; ++s) rows += ld_cg_s32(table + s * row + d * e_loc + e);
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) rows += __shfl_down_sync(0xffffffffu, rows, o);
-    if (lane == 0 && rows) atomicAdd(&rows_to[d], rows);
+      for (int o = 16; o > 0; o >>= 1) rows += __shfl_down_sync(0xffffffffu, rows, o);
+      if (lane == 0 && rows) atomicAdd(&rows_to[d], rows);
+    }
   }
-  // This rank's layout: expert e's rows from source 0, then from source 1, ...
+  // This rank's layout: expert e's rows from source 0, then from source 1, ... The first
+  // EPSERVE_MAX_PEERS sources' counts stay in registers; more (across nodes) are read again.
   int from[EPSERVE_MAX_PEERS];
   int mine = 0;
 #pragma unroll
@@ -56,6 +62,7 @@ __device__ bool layout_from_table(const DispatchConfig& cfg, const int* table, i
     from[s] = expert && s < W ? ld_cg_s32(table + s * row + cfg.rank * e_loc + e) : 0;
     mine += from[s];
   }
+  for (int s = EPSERVE_MAX_PEERS; expert && s < W; ++s) mine += ld_cg_s32(table + s * row + cfg.rank * e_loc + e);
   int run = block_exclusive_scan(mine, warp_sums, &total_rows);  // its barriers also order rows_to
   if (threadIdx.x == 0) dispatch_verdict(cfg, table, rows_to, &stopped);
   __syncthreads();
@@ -71,6 +78,10 @@ __device__ bool layout_from_table(const DispatchConfig& cfg, const int* table, i
       base[s * e_loc + e] = run;
       run += from[s];
     }
+    for (int s = EPSERVE_MAX_PEERS; s < W; ++s) {
+      base[s * e_loc + e] = run;
+      run += ld_cg_s32(table + s * row + cfg.rank * e_loc + e);
+    }
   }
   if (e == 0) expert_offsets[e_loc] = total_rows;
   return false;
@@ -84,8 +95,8 @@ __device__ void arm_combine(const DispatchConfig& cfg, const int* table, unsigne
                             int units_per_slot) {
   const int E = cfg.num_experts, W = cfg.world, e_loc = E / W;
   const int* mine = table + cfg.rank * (E + W + 1);
-  __shared__ unsigned int slots_to[EPSERVE_MAX_PEERS];
-  if (threadIdx.x < EPSERVE_MAX_PEERS) slots_to[threadIdx.x] = 0;
+  __shared__ unsigned int slots_to[EPSERVE_MAX_WORLD];
+  if (threadIdx.x < EPSERVE_MAX_WORLD) slots_to[threadIdx.x] = 0;
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     const int n = ld_cg_s32(mine + e);
@@ -119,7 +130,7 @@ __device__ void direct_layout(const DispatchConfig& cfg, int* __restrict__ exper
     if (threadIdx.x <= e_loc) expert_offsets[threadIdx.x] = 0;
     return;
   }
-  const int* table = cfg.count_table[cfg.rank];
+  const int* table = cfg.count_table[cfg.rank - cfg.node_first];  // this rank's own, at its local index
   if (!layout_from_table(cfg, table, expert_offsets, base) && arm_expected != nullptr)
     arm_combine(cfg, table, arm_expected, units_per_slot);
 }

@@ -8,9 +8,11 @@ namespace {
 
 // Count, over many CTAs: each warp counts one chunk of 32 tokens (rows per global expert,
 // tokens per destination) into chunk_counts; a bad expert id's slot goes to *bad_slot (the
-// lowest wins). Dynamic shared memory: (blockDim.x / 32) * (E + W) ints.
+// lowest wins). Dynamic shared memory: (blockDim.x / 32) * (E + W) ints. kWords: the words of
+// a token's destination set (DestSet: 1 in the one-node kernels, kWideWords in the _wide ones).
+template <int kWords>
 __device__ void count_chunks(const int* __restrict__ topk_idx, int T, const DispatchConfig& cfg,
-                             int* __restrict__ chunk_counts, int* __restrict__ bad_slot) {
+                                int* __restrict__ chunk_counts, int* __restrict__ bad_slot) {
   extern __shared__ int smem[];
   const int E = cfg.num_experts, W = cfg.world, k = cfg.top_k, e_loc = E / W, width = E + W;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
@@ -21,7 +23,7 @@ __device__ void count_chunks(const int* __restrict__ topk_idx, int T, const Disp
     __syncwarp();
     const int t = c * kChunk + lane;
     if (t < T) {
-      unsigned dests = 0;
+      DestSet<kWords> dests;
       for (int j = 0; j < k; ++j) {
         const int e = topk_idx[t * k + j];
         if (e < -1 || e >= E) {
@@ -30,10 +32,10 @@ __device__ void count_chunks(const int* __restrict__ topk_idx, int T, const Disp
         }
         if (e < 0) continue;
         atomicAdd(&mine[e], 1);
-        dests |= 1u << (e / e_loc);
+        dests.add(e / e_loc);
       }
       for (int d = 0; d < W; ++d)
-        if (dests >> d & 1) atomicAdd(&mine[E + d], 1);
+        if (dests.has(d)) atomicAdd(&mine[E + d], 1);
     }
     __syncwarp();
     for (int i = lane; i < width; i += 32) chunk_counts[c * width + i] = mine[i];
@@ -54,8 +56,8 @@ __device__ void route_totals(const int* __restrict__ topk_idx, int T, int input_
   // The chunks split into `parts` runs, a thread per (counter, run), so the block's threads
   // all load at once: each run's sum, then each run rewritten from the sum of the runs
   // before it. partial[p * width + i]: run p's sum of counter i.
-  __shared__ int partial[kCountThreads > EPSERVE_MAX_EXPERTS + EPSERVE_MAX_PEERS ? kCountThreads
-                                                                                  : EPSERVE_MAX_EXPERTS + EPSERVE_MAX_PEERS];
+  __shared__ int partial[kCountThreads > EPSERVE_MAX_EXPERTS + EPSERVE_MAX_WORLD ? kCountThreads
+                                                                                  : EPSERVE_MAX_EXPERTS + EPSERVE_MAX_WORLD];
   const int parts = max(1, static_cast<int>(blockDim.x) / width), per = (chunks + parts - 1) / parts;
   for (int x = threadIdx.x; x < parts * width; x += blockDim.x) {
     const int p = x / width, i = x - p * width, end = min(chunks, (p + 1) * per);
@@ -88,30 +90,35 @@ __device__ void route_totals(const int* __restrict__ topk_idx, int T, int input_
   __syncthreads();
 }
 
-// The direct transport's publish, by one CTA after route_totals: once every rank has released
-// this rank's previous dispatch, the count row (an error code last: this rank's rejected
-// input, or a bad expert id in its routing) goes to every rank's table, then a release on
-// each rank's count counter for this rank.
+// The direct transport's publish, by one CTA after route_totals: once every rank of this node
+// has released this rank's previous dispatch, the count row (an error code last: this rank's
+// rejected input, or a bad expert id in its routing) goes to every such rank's table, then a
+// release on each one's count counter for this rank. Across nodes it also goes into the
+// staging's count row, which the off-node carrier takes to the other nodes' ranks after this
+// kernel (stream order: no wait, no counter; docs/design.md, "Across nodes").
 __device__ void publish_count_row(const DispatchConfig& cfg, const int* totals, int bad, int input_error) {
   __shared__ int ok[EPSERVE_MAX_PEERS];
-  const int E = cfg.num_experts, W = cfg.world, width = E + W;
-  if (threadIdx.x < W) {
-    const int d = threadIdx.x;
+  const int E = cfg.num_experts, W = cfg.world, width = E + W, R = cfg.ranks_per_node;
+  if (threadIdx.x < R) {
+    const int p = threadIdx.x, d = cfg.node_first + p;
     const unsigned long long done = ld_acquire_sys(cfg.my_ready + cfg.rank);
-    ok[d] = wait_at_least(cfg.my_ready + d, done, cfg.timeout_ns);
-    if (!ok[d]) record_error(cfg.error, kDispatchReadyTimeout, d, static_cast<int>(done + 1));
+    ok[p] = wait_at_least(cfg.my_ready + d, done, cfg.timeout_ns);
+    if (!ok[p]) record_error(cfg.error, kDispatchReadyTimeout, d, static_cast<int>(done + 1));
   }
   __syncthreads();  // also orders route_totals' totals and bad before the reads below
   const int error_code = input_error ? input_error : (bad != 0x7fffffff ? kDispatchBadExpert : 0);
   const int row = width + 1;
-  for (int d = 0; d < W; ++d) {
-    if (!ok[d]) continue;
-    int* dst = cfg.count_table[d] + cfg.rank * row;
+  for (int p = 0; p < R; ++p) {
+    if (!ok[p]) continue;
+    int* dst = cfg.count_table[p] + cfg.rank * row;
     for (int i = threadIdx.x; i < row; i += blockDim.x) dst[i] = i < width ? (error_code ? 0 : totals[i]) : error_code;
   }
+  if (cfg.off_count_row != nullptr)
+    for (int i = threadIdx.x; i < row; i += blockDim.x)
+      cfg.off_count_row[i] = i < width ? (error_code ? 0 : totals[i]) : error_code;
   fence_acq_rel_sys();
   __syncthreads();
-  if (threadIdx.x < W && ok[threadIdx.x]) red_release_sys_add(cfg.count_arrive[threadIdx.x] + cfg.rank, 1ull);
+  if (threadIdx.x < R && ok[threadIdx.x]) red_release_sys_add(cfg.count_arrive[threadIdx.x] + cfg.rank, 1ull);
 }
 
 // Rank, over many CTAs of kRankThreads: in (token, slot) order within each chunk, from its
@@ -122,7 +129,8 @@ __device__ void publish_count_row(const DispatchConfig& cfg, const int* totals, 
 // bits), and a token's position the same over a ballot per destination; a chunk where some
 // token names an expert twice takes the token-by-token path instead, with the bases in the
 // same shared memory. Dynamic shared memory: kRankWarps * (E + W) ints; the masks are zero
-// between chunks.
+// between chunks. kWords: the words of a token's destination set (as count_chunks').
+template <int kWords>
 __device__ void rank_chunks(const int* __restrict__ topk_idx, int T, const DispatchConfig& cfg,
                             const int* __restrict__ chunk_bases, int* __restrict__ tok_pos, int* __restrict__ slot_rank) {
   extern __shared__ int smem[];
@@ -152,12 +160,12 @@ __device__ void rank_chunks(const int* __restrict__ topk_idx, int T, const Dispa
     for (int j = 1; live && j < k; ++j)
       for (int q = 0; q < j; ++q) twice |= row[j] >= 0 && row[q] == row[j];
     if (!__any_sync(0xffffffffu, twice)) {
-      unsigned dests = 0;
+      DestSet<kWords> dests;
       for (int j = 0; live && j < k; ++j) {
         const int e = row[j];
         if (e < 0) continue;
         atomicOr(&masks[e], 1u << lane);
-        dests |= 1u << (e / e_loc);
+        dests.add(e / e_loc);
       }
       __syncwarp();
       for (int j = 0; live && j < k; ++j) {
@@ -165,8 +173,9 @@ __device__ void rank_chunks(const int* __restrict__ topk_idx, int T, const Dispa
         slot_rank[t * k + j] = e >= 0 ? bases[e] + __popc(masks[e] & before) : -1;
       }
       for (int d = 0; d < W; ++d) {
-        const unsigned to_d = __ballot_sync(0xffffffffu, dests >> d & 1);
-        if (live) tok_pos[t * W + d] = dests >> d & 1 ? bases[E + d] + __popc(to_d & before) : -1;
+        const bool to = dests.has(d);
+        const unsigned to_d = __ballot_sync(0xffffffffu, to);
+        if (live) tok_pos[t * W + d] = to ? bases[E + d] + __popc(to_d & before) : -1;
       }
       __syncwarp();
       for (int j = 0; live && j < k; ++j)

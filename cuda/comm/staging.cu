@@ -13,7 +13,7 @@
 //                                    imitating NCCL's grouped send/recv with device-side flags
 //
 // Node n holds ranks [n * R, (n + 1) * R); the off-node ranks of rank r, in rank order, have
-// block index off_node_block(s) = s < first rank of r's node ? s : s - R.
+// block index off_node_block(s) = s < first rank of r's node ? s : s - R (common/nodes.cuh).
 #include "common/errors.cuh"
 #include "common/ptx.cuh"
 #include "sinks/peer_send_config.cuh"
@@ -23,7 +23,6 @@ using namespace epserve;
 namespace {
 
 __device__ __forceinline__ bool off_node(int s, int rank, int R) { return s / R != rank / R; }
-__device__ __forceinline__ int off_node_block(int s, int rank, int R) { return s < rank / R * R ? s : s - R; }
 
 // One warp copies n16 16-byte chunks; loads skip L1 (another process, or the network, wrote
 // them), four in flight a lane.
@@ -66,8 +65,8 @@ extern "C" __global__ void __launch_bounds__(kLandThreads)
                                   bf16_t* __restrict__ recv, unsigned long long* __restrict__ arrive,
                                   int units_per_slot, const int* __restrict__ status) {
   if (call_stopped(status)) return;
-  __shared__ unsigned int landed[EPSERVE_MAX_PEERS];
-  if (threadIdx.x < EPSERVE_MAX_PEERS) landed[threadIdx.x] = 0;
+  __shared__ unsigned int landed[EPSERVE_MAX_WORLD];
+  for (int s = threadIdx.x; s < world; s += blockDim.x) landed[s] = 0;
   __syncthreads();
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   for (long long i = static_cast<long long>(blockIdx.x) * warps + (threadIdx.x >> 5); i < static_cast<long long>(T) * k;
@@ -76,14 +75,14 @@ extern "C" __global__ void __launch_bounds__(kLandThreads)
     if (e < 0) continue;
     const int s = e / experts_per_rank;
     if (s >= world || !off_node(s, rank, R)) continue;
-    const long long block = off_node_block(s, rank, R);
+    const long long block = off_node_block(s, rank / R * R, R);
     warp_copy(reinterpret_cast<uint4*>(recv + i * H),
               reinterpret_cast<const uint4*>(landing + (block * max_tokens * k + i) * H), H / 8, lane);
     if (lane == 0) atomicAdd(&landed[s], 1u);
   }
   __syncthreads();
-  if (threadIdx.x < world && landed[threadIdx.x])
-    atomicAdd(arrive + threadIdx.x, static_cast<unsigned long long>(landed[threadIdx.x]) * units_per_slot);
+  for (int s = threadIdx.x; s < world; s += blockDim.x)
+    if (landed[s]) atomicAdd(arrive + s, static_cast<unsigned long long>(landed[s]) * units_per_slot);
 }
 
 // ---- The IPC test carrier (epserve/comm/carriers.py, IpcTestCarrier) -------------------------
@@ -107,17 +106,17 @@ struct CarrierRecv {
   unsigned long long peer, src, dst, bytes;  // src: the peer's staging as mapped here; bytes a multiple of 16
 };
 
-constexpr unsigned long long kCarrierPosted = 0, kCarrierTaken = EPSERVE_MAX_PEERS;  // u64 offsets in a flag block
+constexpr unsigned long long kCarrierPosted = 0, kCarrierTaken = EPSERVE_MAX_WORLD;  // u64 offsets in a flag block
 
 extern "C" __global__ void __launch_bounds__(256)
     epserve_ipc_carrier_exchange(const unsigned long long* __restrict__ flag_blocks,  // [world]: each rank's, as mapped
                                  const int* __restrict__ send_peers, int n_send, const int* __restrict__ recv_peers,
                                  int n_recv_peers, const CarrierRecv* __restrict__ recvs, int n_recv,
-                                 unsigned long long* __restrict__ local,  // [2 * EPSERVE_MAX_PEERS]: sent, consumed
+                                 unsigned long long* __restrict__ local,  // [2 * EPSERVE_MAX_WORLD]: sent, consumed
                                  int rank, unsigned long long timeout_ns, int* __restrict__ error,
                                  int* __restrict__ status, unsigned int* __restrict__ done) {
   unsigned long long* sent = local;
-  unsigned long long* consumed = local + EPSERVE_MAX_PEERS;
+  unsigned long long* consumed = local + EPSERVE_MAX_WORLD;
   unsigned long long* mine = reinterpret_cast<unsigned long long*>(flag_blocks[rank]);
   __shared__ int ok;
   if (blockIdx.x == 0 && threadIdx.x < n_send) {  // 1. post (never waits)

@@ -26,7 +26,7 @@ from epserve.comm.nccl import exchange_rows
 from epserve.dispatch.device_plan import DevicePlan
 from epserve.ffn import gemm
 from epserve.ffn.fp8_stage import gemm2_specs
-from epserve.runtime.kernel_structs import launch_arg, pack_peer_pointers, pack_peer_send_config
+from epserve.runtime.kernel_structs import launch_arg, pack_peer_counters, pack_peer_send_config
 from epserve.runtime.launch import LaunchSequence
 
 
@@ -48,10 +48,11 @@ class Combiner:
         self._recv_view = self._recv.view(dtype, (max_tokens, top_k, hidden)) if dtype is not None else None
         self.signals = signals
         self.off_node = off_node  # epserve/comm/off_node.py: rows for other nodes' ranks go by its carrier
-        ready = [signals.peer(d, sig.READY) for d in range(self.world)]
-        if off_node is not None:
-            ready = off_node.ready_table(ready)
-        self._ready_table = launch_arg(pack_peer_pointers(ready))
+        # The reduction releases recv to this node's ranks; the other nodes' rows come by the
+        # carrier, ordered on the stream (docs/design.md, "Across nodes").
+        node = group.node_ranks
+        self._ready_table = launch_arg(pack_peer_counters(ready=[signals.peer(d, sig.READY) for d in node],
+                                                          ranks_per_node=len(node), node_first=node.start))
         self._reduce_blocks_done = cupy.zeros(1, cupy.uint32)  # the reduction's last block releases recv
         self.epoch = 0  # combines begun so far, for reports only: the kernels keep their own
         self._configs = {}
@@ -73,13 +74,15 @@ class Combiner:
         if cfg is None:
             if len(self._configs) > 64:  # per-call buffers (the baselines) come and go
                 self._configs.clear()
-            tables = dict(recv=self._recv.peer_ptrs, arrive=[self.signals.peer(d, sig.ARRIVE) for d in range(self.world)])
-            if self.off_node is not None:  # another node's rows go to its staging copy of recv
-                tables = self.off_node.send_tables(**tables)
+            node = self.group.node_ranks  # the address tables hold this node's ranks (common/nodes.cuh)
+            # another node's rows go to its copy of recv in the combine staging (off_node.py)
+            off_recv = self.off_node.combine_staging() if self.off_node is not None else 0
             cfg = self._configs[key] = launch_arg(pack_peer_send_config(
-                **tables, ready=self.signals.local(sig.READY), src_info=key[0], error=self.signals.local(sig.ERROR),
-                status=key[1], timeout_ns=self.timeout_ns, rank=self.rank, world=self.world, top_k=self.top_k,
-                hidden=self.hidden, max_tokens=self.max_tokens))
+                recv=self.group.node_table(self._recv.peer_ptrs), arrive=[self.signals.peer(d, sig.ARRIVE) for d in node],
+                ready=self.signals.local(sig.READY), src_info=key[0], error=self.signals.local(sig.ERROR),
+                status=key[1], timeout_ns=self.timeout_ns, off_recv=off_recv, rank=self.rank, world=self.world,
+                top_k=self.top_k, hidden=self.hidden, max_tokens=self.max_tokens, ranks_per_node=len(node),
+                node_first=node.start))
         return cfg
 
     def gemm_only(self, act, w2, plan: DevicePlan, intermediate: int) -> None:
@@ -109,7 +112,7 @@ class Combiner:
         self.epoch += 1
         if self.off_node is not None and off_node:  # the carrier's groups are collective: take part with no tokens
             self.off_node.exchange_combine(None, 0, self.top_k, self.hidden, self.experts_per_rank, self.recv, status)
-        self._launches.run("stand-in", [launchers.release_recv_spec(self._ready_table, self.rank, self.world)])
+        self._launches.run("stand-in", [launchers.release_recv_spec(self._ready_table, self.rank)])
 
     def unfused(self, C, plan: DevicePlan, topk_idx, topk_weights, out=None, status=None):
         """C [M, H] (GEMM 2 with the null sink) -> recv slots by the transport -> the reduction."""

@@ -34,8 +34,8 @@ def combine_reduce_spec(recv, topk_idx, topk_weights, out, T: int, k: int, H: in
                                     i32(rank), pointer(blocks_done)), 0)
 
 
-def release_recv_spec(peer_ready_table, rank: int, world: int) -> tuple:
-    """recv is read: every peer may store the next combine's rows (alone: a rank's part of a
-    call it has no tokens for; the reduction releases recv itself)."""
+def release_recv_spec(peer_ready_table, rank: int) -> tuple:
+    """recv is read: every peer of this node may store the next combine's rows (alone: a
+    rank's part of a call it has no tokens for; the reduction releases recv itself)."""
     fn = kernels.function("combine", "epserve_release_recv")
-    return (fn, (1,), (32,), (peer_ready_table, i32(rank), i32(world)), 0)
+    return (fn, (1,), (32,), (peer_ready_table, i32(rank)), 0)

@@ -36,7 +36,7 @@ import cupy
 import numpy as np
 
 from epserve.errors import ConfigError
-from epserve.runtime.kernel_structs import MAX_PEERS
+from epserve.runtime.kernel_structs import MAX_WORLD
 
 CARRIER_ENV = "EPSERVE_OFFNODE_CARRIER"
 CARRIERS = ("nccl", "ipc")
@@ -108,7 +108,7 @@ class NcclCarrier:
 
 
 CARRIER_RECV = np.dtype([("peer", np.uint64), ("src", np.uint64), ("dst", np.uint64), ("bytes", np.uint64)])
-_FLAG_BYTES = 2 * MAX_PEERS * 8  # posted[MAX_PEERS], taken[MAX_PEERS] (cuda/comm/staging.cu)
+_FLAG_BYTES = 2 * MAX_WORLD * 8  # posted[MAX_WORLD], taken[MAX_WORLD] (cuda/comm/staging.cu)
 _IPC_BLOCKS, _IPC_THREADS = 32, 256
 
 
@@ -124,7 +124,7 @@ class IpcTestCarrier:
         self._flags = group.allocate(_FLAG_BYTES, every_rank=True)
         self._flags.view(np.uint8, (_FLAG_BYTES,)).fill(0)
         self._flag_blocks = cupy.asarray(np.array(self._flags.peer_ptrs, np.uint64))
-        self._local = cupy.zeros(2 * MAX_PEERS, np.uint64)  # sent[d], consumed[s]
+        self._local = cupy.zeros(2 * MAX_WORLD, np.uint64)  # sent[d], consumed[s]
         self._done = cupy.zeros(1, np.uint32)
         self._groups = {}  # (sends, recvs) -> the device tables of that group
         cupy.cuda.runtime.deviceSynchronize()

@@ -27,12 +27,14 @@ the same reduction order as on one node: bitwise the one-node result, fused and 
                land                 each slot of an off-node owner from its landing block into
                                     recv; arrive[owner] counts them; then the usual reduction
 
-Waits that stood for "the peer released its buffers" (dispatch_ready, ready) are satisfied
-for off-node peers by stream order: staging is rewritten only after the carrier's send of it
-completed, and a receiver's landing areas are rewritten only by its own later carrier calls.
-The kernels' peer tables therefore point those counters at this rank's own (the release of a
-call advances them), and the arrival counters they add to for off-node peers at a scratch
-array nobody reads.
+The kernel structs' address tables hold the ranks of this rank's node only (at most 8, by
+local index); a rank d of another node is reached by arithmetic into the staging (its block
+is block(d), the kernels' off_node_block), so nothing grows with the world but counts.
+Waits that stand for "the peer released its buffers" (dispatch_ready, ready) and the arrival
+counters are kept for this node's ranks only: for the other nodes' ranks stream order does
+their work (staging is rewritten only after the carrier's send of it completed, and a
+receiver's landing areas only by its own later carrier calls), so the kernels neither wait
+for them nor signal them.
 
 Sizes are fixed (NCCL's are host arguments and the counts stay on the device), so every block
 travels whole, as the NCCL transport's do: per off-node peer and call, max_tokens token rows
@@ -135,51 +137,29 @@ class OffNodePlan:
     def combine_staging_bytes(self) -> int:
         return len(self.peers) * self.combine_block_bytes
 
-    # ---- the kernels' peer tables, with off-node entries pointing here
-    def dispatch_tables(self, *, count_table, tokens, meta, count_arrive, ready, staging: int, scratch: int,
-                        my_dispatch_ready: int) -> dict:
-        """DispatchConfig's per-rank tables (lists of addresses by rank, as IPC maps them; 0
-        for off-node ranks) with every off-node entry replaced: count_table, tokens and meta
-        so that the kernels' `table[d] + this rank's part` lands in the staging (count row,
-        d's tokens and meta blocks); count_arrive at the scratch; ready so that `ready[d] +
-        rank` is this rank's own dispatch_ready[d] (advanced by its own release)."""
-        r, out = self.rank, {}
-        out["count_table"] = list(count_table)
-        out["tokens"], out["meta"] = list(tokens), list(meta)
-        out["count_arrive"], out["ready"] = list(count_arrive), list(ready)
-        for d in self.peers:
-            p = self.block(d)
-            out["count_table"][d] = staging - r * self.count_row_ints * 4
-            out["tokens"][d] = staging + self.tokens_offset(p) - r * self.tokens_block_bytes
-            out["meta"][d] = staging + self.meta_offset(p) - r * self.meta_block_bytes
-            out["count_arrive"][d] = scratch - r * U64
-            out["ready"][d] = my_dispatch_ready + (d - r) * U64
-        return out
+    # ---- what the kernels compute for a rank d of another node (cuda/common/nodes.cuh)
+    def dispatch_staging(self, staging: int) -> dict:
+        """DispatchConfig's off-node fields for a dispatch staging at `staging`: the count row
+        at its start, and off-node rank d's block (its token rows, then their routing) at
+        off_blocks + block(d) * off_block_bytes."""
+        return dict(off_count_row=staging, off_blocks=staging + self.tokens_offset(0),
+                    off_block_bytes=self.tokens_offset(1) - self.tokens_offset(0))
 
-    def chunk_arrive_table(self, chunk_arrive, chunk_scratch: int) -> list[int]:
-        """The move kernel's per-rank arrival counters ([W][max_chunks] each): off-node entries
-        at a local scratch of that shape."""
-        out = list(chunk_arrive)
-        for d in self.peers:
-            out[d] = chunk_scratch
-        return out
+    def token_row_address(self, fields: dict, d: int, pos: int) -> int:
+        """Where the move kernel stores this rank's token row at position pos of off-node rank
+        d (cuda/comm/dispatch.cu token_dst), given dispatch_staging's fields."""
+        return fields["off_blocks"] + self.block(d) * fields["off_block_bytes"] + pos * self.hidden * 2
 
-    def send_tables(self, *, recv, arrive, staging: int, scratch: int) -> dict:
-        """PeerSendConfig's recv and arrive: recv[d] of an off-node d is its block of the
-        combine staging (slot (t, j) at the same place as in d's recv), arrive[d] the scratch."""
-        out = {"recv": list(recv), "arrive": list(arrive)}
-        for d in self.peers:
-            out["recv"][d] = staging + self.block(d) * self.combine_block_bytes
-            out["arrive"][d] = scratch - self.rank * U64
-        return out
+    def meta_address(self, fields: dict, d: int, pos: int) -> int:
+        """... and its routing (meta_dst)."""
+        return (fields["off_blocks"] + self.block(d) * fields["off_block_bytes"] + self.max_tokens * self.hidden * 2
+                + pos * self.meta_len * 4)
 
-    def ready_table(self, ready, my_ready: int) -> list[int]:
-        """The reduction's release table (each rank's `ready` as mapped here): for an off-node
-        d, `ready[d] + rank` is this rank's own ready[d]."""
-        out = list(ready)
-        for d in self.peers:
-            out[d] = my_ready + (d - self.rank) * U64
-        return out
+    def combine_slot_address(self, off_recv: int, d: int, t: int, j: int, col0: int = 0) -> int:
+        """Where the peer sink stores slot (t, j) of off-node home d (sinks/row_scatter.cuh):
+        its copy of d's recv in the combine staging at off_recv."""
+        elems = self.max_tokens * self.top_k * self.combine_hidden
+        return off_recv + 2 * (self.block(d) * elems + (t * self.top_k + j) * self.combine_hidden + col0)
 
     # ---- the carrier's groups
     def count_group(self, staging, count_table: int):
@@ -224,29 +204,19 @@ class OffNode:
         self.plan, self.carrier, self.signals = plan, carrier, signals
         self.rank, self.world = plan.rank, plan.world
         self.timeout_ns = int(wait_timeout_s * 1e9)
-        self._scratch = cupy.zeros(max(2, self.world), np.uint64)  # arrival counters nobody reads
         self._dispatch_staging = carrier.staging(plan.dispatch_staging_bytes)
         self._combine_staging = carrier.staging(plan.combine_staging_bytes)
         self._landing = cupy.cuda.alloc(max(16, plan.combine_staging_bytes))
-        self._chunk_scratch = None  # the move kernel's off-node arrival counters, sized by the dispatcher
         self._groups = {}
 
-    # ---- addresses for the dispatcher's and the combiner's kernel structs
-    def dispatch_tables(self, **tables) -> dict:
-        return self.plan.dispatch_tables(**tables, staging=self._dispatch_staging.ptr, scratch=self._scratch.data.ptr,
-                                         my_dispatch_ready=self.signals.local(sig.DISPATCH_READY))
+    # ---- the staging, for the dispatcher's and the combiner's kernel structs
+    def dispatch_staging(self) -> dict:
+        """DispatchConfig's off-node fields (off_count_row, off_blocks, off_block_bytes)."""
+        return self.plan.dispatch_staging(self._dispatch_staging.ptr)
 
-    def chunk_arrive_table(self, chunk_arrive, max_chunks: int) -> list[int]:
-        if self._chunk_scratch is None:
-            self._chunk_scratch = cupy.zeros(self.world * max_chunks, np.uint64)
-        return self.plan.chunk_arrive_table(chunk_arrive, self._chunk_scratch.data.ptr)
-
-    def send_tables(self, recv, arrive) -> dict:
-        return self.plan.send_tables(recv=recv, arrive=arrive, staging=self._combine_staging.ptr,
-                                     scratch=self._scratch.data.ptr)
-
-    def ready_table(self, ready) -> list[int]:
-        return self.plan.ready_table(ready, self.signals.local(sig.READY))
+    def combine_staging(self) -> int:
+        """PeerSendConfig.off_recv: the copies of the other nodes' ranks' recv."""
+        return self._combine_staging.ptr
 
     # ---- the dispatch
     def exchange_counts(self, count_table: int) -> None:

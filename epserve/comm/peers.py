@@ -67,6 +67,19 @@ class PeerGroup:
         self._opened: list[int] = []  # peers' mappings, closed before anything is freed
         self._closed = False
 
+    @property
+    def node_ranks(self) -> range:
+        """The ranks of this rank's node (every rank without a layout): those the kernel
+        structs' address tables hold, at index d - node_ranks.start (common/nodes.cuh)."""
+        if self.layout is None:
+            return range(self.world)
+        return self.layout.node_ranks(self.layout.node_of(self.rank))
+
+    def node_table(self, addresses) -> list[int]:
+        """Addresses by rank (a list of `world`) -> the kernel structs' table: this node's ranks',
+        by local index."""
+        return [addresses[d] for d in self.node_ranks]
+
     def reaches(self, d: int) -> bool:
         """Whether this rank maps rank d's buffers (d is on this rank's node)."""
         return self.layout is None or self.layout.same_node(self.rank, d)

@@ -1,13 +1,16 @@
 """The per-rank signal block (one symmetric buffer) and the device error record.
 
-Layout (bytes); [8] arrays are indexed by rank, so a wait that runs out can name the rank
-it was waiting for:
-    0    arrive           u64[8]    64-column units of combine rows that reached this rank's recv, by sender
-    64   count_arrive     u64[8]    dispatch count rows that reached this rank's table, by sender
-    128  ready            u64[8]    ready[d]: combines rank d has finished reading (d writes it)
-    192  dispatch_ready   u64[8]    dispatch_ready[d]: dispatches rank d has consumed
-    256  expected         u64[8]    local: combine units promised so far, by sender
-    320  error            int32[4]  local: code, peer, detail (cuda/common/errors.cuh)
+Layout: six arrays of S = max(8, world) slots of 8 bytes each (at most 128 ranks: 6 KiB);
+the per-rank arrays are indexed by rank, so a wait that runs out can name the rank it was
+waiting for:
+    0 S    arrive           u64[S]    64-column units of combine rows that reached this rank's recv, by sender
+    1 S    count_arrive     u64[S]    dispatch count rows that reached this rank's table, by sender
+    2 S    ready            u64[S]    ready[d]: combines rank d (of this node) has finished reading (d writes it)
+    3 S    dispatch_ready   u64[S]    dispatch_ready[d]: dispatches rank d (of this node) has consumed
+    4 S    expected         u64[S]    local: combine units promised so far, by sender
+    5 S    error            int32[4]  local: code, peer, detail (cuda/common/errors.cuh), in 64 bytes
+Up to 8 ranks that is the layout of one node as it always was (offsets 0, 64, ..., 320; 384
+bytes). The constants below name the arrays; local() and peer() give their addresses.
 The direct dispatch's token rows are counted per chunk, in a buffer of the dispatcher
 (epserve/dispatch/direct.py), not here. Counters only grow (docs/design.md, "Signalling and
 epochs"): nothing is reset between calls, so nothing races with a reset.
@@ -19,11 +22,30 @@ import cupy
 import numpy as np
 
 from epserve.errors import ConfigError, EPServeError, PeerTimeoutError, RankFailedError
-from epserve.runtime.kernel_structs import MAX_PEERS
+from epserve.runtime.kernel_structs import MAX_PEERS, MAX_WORLD
 
-ARRIVE, COUNT_ARRIVE, READY, DISPATCH_READY, EXPECTED, ERROR = 0, 64, 128, 192, 256, 320
-SIZE = 384
-assert MAX_PEERS * 8 == COUNT_ARRIVE - ARRIVE, "each per-rank array of the layout holds 8 u64"
+ARRIVE, COUNT_ARRIVE, READY, DISPATCH_READY, EXPECTED, ERROR = range(6)  # the arrays, in layout order
+_ERROR_BYTES = 64
+
+
+def slots(world: int) -> int:
+    """Slots of each per-rank array: one per rank, never fewer than one node's."""
+    if not 1 <= world <= MAX_WORLD:
+        raise ValueError(f"a signal block serves 1 to {MAX_WORLD} ranks, not {world}")
+    return max(MAX_PEERS, world)
+
+
+def offset(array: int, world: int) -> int:
+    """Byte offset of `array` (ARRIVE ... ERROR) in the signal block of a `world`-rank job."""
+    return array * slots(world) * 8
+
+
+def size(world: int) -> int:
+    """Bytes of the signal block of a `world`-rank job."""
+    return offset(ERROR, world) + _ERROR_BYTES
+
+
+SIZE = size(1)  # one node's block (up to 8 ranks)
 
 _CODES = {
     1: ("combine-wait", PeerTimeoutError,
@@ -66,26 +88,26 @@ class SignalBlock:
     def create(cls, group) -> "SignalBlock":
         """Collective: allocates and zeroes every rank's block; returns once all are zeroed,
         so nobody signals into a block that is still being cleared."""
-        block = cls(group.allocate(SIZE))
+        block = cls(group.allocate(size(group.world)), group.world)
         cupy.cuda.runtime.deviceSynchronize()
         group.comm.Barrier()
         return block
 
-    def __init__(self, buffer):
-        self.buffer = buffer
-        self.buffer.view(np.uint8, (SIZE,)).fill(0)
-        self.error = buffer.view(np.int32, (4,), ERROR)
+    def __init__(self, buffer, world: int):
+        self.buffer, self.world = buffer, world
+        self.buffer.view(np.uint8, (size(world),)).fill(0)
+        self.error = buffer.view(np.int32, (4,), offset(ERROR, world))
         self._error_ptr = self.error.data.ptr
         self._pinned = None  # pinned host memory for raise_pending's copy, and its int32 view
         self._host = None
 
-    def peer(self, d: int, offset: int) -> int:
-        """Rank d's signal block at `offset` (one of the layout constants), as mapped here."""
-        return self.buffer.peer_ptr(d) + offset
+    def peer(self, d: int, array: int) -> int:
+        """Rank d's `array` (one of the layout constants), as mapped here (d on this node)."""
+        return self.buffer.peer_ptr(d) + offset(array, self.world)
 
-    def local(self, offset: int) -> int:
-        """This rank's signal block at `offset`."""
-        return self.buffer.ptr + offset
+    def local(self, array: int) -> int:
+        """This rank's `array`."""
+        return self.buffer.ptr + offset(array, self.world)
 
     def raise_if_error(self, rank: int) -> None:
         """Synchronizes the device, then turns a device error record into an exception."""

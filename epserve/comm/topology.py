@@ -15,6 +15,7 @@ import socket
 from dataclasses import dataclass
 
 from epserve.errors import ConfigError
+from epserve.runtime.kernel_structs import MAX_PEERS
 
 RANKS_PER_NODE_ENV = "EPSERVE_RANKS_PER_NODE"
 
@@ -50,6 +51,7 @@ def node_layout(hostnames, forced_ranks_per_node: int | None = None) -> NodeLayo
         raise ConfigError("no ranks")
     real = _ranks_per_host(hostnames)
     if forced_ranks_per_node is None:
+        _require_node_size(real, world, f"the hosts run {real} ranks each")
         return NodeLayout(world, real)
     R = forced_ranks_per_node
     if R < 1 or world % R:
@@ -57,7 +59,19 @@ def node_layout(hostnames, forced_ranks_per_node: int | None = None) -> NodeLayo
     if real % R:
         raise ConfigError(f"{RANKS_PER_NODE_ENV}={R}: a forced node must lie inside one host, and hosts hold "
                           f"{real} ranks each")
+    _require_node_size(R, world, f"{RANKS_PER_NODE_ENV}={R}")
     return NodeLayout(world, R)
+
+
+def _require_node_size(R: int, world: int, why: str) -> None:
+    """A node is the ranks that reach each other through CUDA IPC; the kernels' address tables
+    hold at most MAX_PEERS of them (cuda/common/nodes.cuh)."""
+    if R > MAX_PEERS:
+        raise ConfigError(f"{why}, but a node holds at most {MAX_PEERS} ranks (the ranks of one node reach each "
+                          f"other through CUDA IPC, and its kernels' address tables hold {MAX_PEERS}); run at most "
+                          f"{MAX_PEERS} ranks per host, or set {RANKS_PER_NODE_ENV} to a divisor of {R} that is at "
+                          f"most {MAX_PEERS} (the other \"nodes\" of a host are then reached by the off-node carrier, "
+                          f"as on {world} ranks of several hosts)")
 
 
 def _ranks_per_host(hostnames) -> int:

@@ -84,9 +84,8 @@ class DirectDispatcher:
         self._max_chunks = (max_tokens + ARRIVAL_CHUNK - 1) // ARRIVAL_CHUNK
         self._chunk_arrive = group.allocate(W * self._max_chunks * 8)
         self._chunk_arrive.view(np.uint64, (W * self._max_chunks,)).fill(0)
-        chunk_ptrs = self._chunk_arrive.peer_ptrs
-        if off_node is not None:
-            chunk_ptrs = off_node.chunk_arrive_table(chunk_ptrs, self._max_chunks)
+        # by rank: null for the ranks of other nodes (their rows come by the carrier, uncounted)
+        chunk_ptrs = [p if group.reaches(d) else 0 for d, p in enumerate(self._chunk_arrive.peer_ptrs)]
         self._chunk_ptrs = cupy.asarray(np.array(chunk_ptrs, np.uint64))
         self._expected_chunk = cupy.zeros(W * self._max_chunks, np.uint64)
         # The move kernel's count of finished blocks: its last block releases the dispatch
@@ -144,14 +143,17 @@ class DirectDispatcher:
         return shape
 
     def _config(self) -> np.ndarray:
-        s, W = self.signals, self.world
-        tables = dict(count_table=self._table.peer_ptrs, tokens=self._tokens.peer_ptrs, meta=self._meta.peer_ptrs,
-                      count_arrive=[s.peer(d, sig.COUNT_ARRIVE) for d in range(W)],
-                      ready=[s.peer(d, sig.DISPATCH_READY) for d in range(W)])
-        if self.off_node is not None:  # another node's entries point into the staging (off_node.py)
-            tables = self.off_node.dispatch_tables(**tables)
+        s, W, g = self.signals, self.world, self.group
+        node = g.node_ranks  # the address tables hold this node's ranks (common/nodes.cuh)
+        tables = dict(count_table=g.node_table(self._table.peer_ptrs), tokens=g.node_table(self._tokens.peer_ptrs),
+                      meta=g.node_table(self._meta.peer_ptrs),
+                      count_arrive=[s.peer(d, sig.COUNT_ARRIVE) for d in node],
+                      ready=[s.peer(d, sig.DISPATCH_READY) for d in node])
+        # the other nodes' ranks: by arithmetic into the dispatch staging (off_node.py)
+        staging = self.off_node.dispatch_staging() if self.off_node is not None else \
+            dict(off_count_row=0, off_blocks=0, off_block_bytes=0)
         return pack_dispatch_config(
-            **tables, ranks_per_node=W if self.off_node is None else self.off_node.plan.R,
+            **tables, **staging, ranks_per_node=len(node), node_first=node.start,
             my_ready=s.local(sig.DISPATCH_READY), my_count_arrive=s.local(sig.COUNT_ARRIVE),
             error=s.local(sig.ERROR), status=self.status.data.ptr, timeout_ns=self.timeout_ns, rank=self.rank,
             world=W, num_experts=self.E, top_k=self.k, hidden=self.H, max_tokens=self.max_tokens,

@@ -28,7 +28,10 @@ class Dispatcher:
         self.row_bytes = hidden * 2
         self.send_capacity_rows = send_capacity_rows
         self.dtype = dtype
-        if transport == "ipc":
+        # The IPC pull reaches the ranks of one node; across nodes this baseline is refused
+        # (EPService._refuse_across_nodes), so its buffer and peer table are made on one node
+        # only (the same on every rank: they share the layout).
+        if transport == "ipc" and len(group.node_ranks) == group.world:
             self._send_buf = group.allocate(max(1, send_capacity_rows) * self.row_bytes)
             self._peer_bases = launch_arg(pack_peer_pointers(self._send_buf.peer_ptrs))
 

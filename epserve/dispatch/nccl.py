@@ -127,13 +127,14 @@ class NcclDispatcher:
         self._expand = mod.get_function("epserve_nccl_dispatch_expand")
         self._sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         # Only the scalars, error and status are read from it: the NCCL kernels get their
-        # buffers as arguments. Packed and wrapped once.
-        none = [0] * W
+        # buffers as arguments, and NCCL reaches every rank itself (no IPC tables: a "node" of
+        # this rank alone). Packed and wrapped once.
+        none = [0]
         self._cfg = launch_arg(pack_dispatch_config(
             count_table=none, tokens=none, meta=none, count_arrive=none, ready=none, my_ready=0, my_count_arrive=0,
-            error=self.signals.local(sig.ERROR),
-            status=self.status.data.ptr, timeout_ns=0, rank=self.rank, world=W, num_experts=E, top_k=k, hidden=H,
-            max_tokens=T, max_recv_rows=self.max_recv_rows, ranks_per_node=W))
+            error=self.signals.local(sig.ERROR), status=self.status.data.ptr, timeout_ns=0, off_count_row=0,
+            off_blocks=0, off_block_bytes=0, rank=self.rank, world=W, num_experts=E, top_k=k, hidden=H,
+            max_tokens=T, max_recv_rows=self.max_recv_rows, ranks_per_node=1, node_first=self.rank))
         self._expand_grid = (max(1, min(self._sms * 4, (W * T + 7) // 8)),)
         self._pinned = cupy.cuda.alloc_pinned_memory(4)
         self._shapes = {}

@@ -6,6 +6,9 @@
     rank + layout     a warp per chunk ranks each slot in its expert and positions each token
                       per destination; the grid's last CTA computes the layout and verdict
 
+Up to MAX_PEERS ranks (one node) the kernels keep a token's destination set in one register;
+with more, their *_wide builds (the same source) in several.
+
 The transports differ only in where the count row goes (every rank's table through IPC, or
 this rank's row of a local table that an allgather completes) and in what the layout also
 writes, so each passes those as extra arguments; the buffers, grids, block sizes, shared
@@ -18,7 +21,7 @@ import cupy
 import numpy as np
 
 from epserve.runtime import kernels
-from epserve.runtime.kernel_structs import MAX_LOCAL_EXPERTS
+from epserve.runtime.kernel_structs import MAX_LOCAL_EXPERTS, MAX_PEERS
 
 CHUNK = 32  # kChunk in dispatch_common.cuh: tokens per warp-chunk
 COUNT_THREADS = 1024  # kCountThreads: the last CTA's scan takes a thread per counter
@@ -38,6 +41,8 @@ class Route:
 
     def __init__(self, transport: str, *, num_experts: int, world: int, top_k: int, max_tokens: int):
         count_name, rank_name = _KERNELS[transport]
+        if world > MAX_PEERS:  # a token's destination set in several registers (cuda/comm/dispatch.cu)
+            count_name, rank_name = count_name + "_wide", rank_name + "_wide"
         width = num_experts + world  # a chunk's counters: rows per expert, tokens per destination
         self.tok_pos = cupy.empty((max_tokens, world), np.int32)
         self.slot_rank = cupy.empty((max_tokens, top_k), np.int32)

@@ -23,7 +23,13 @@ try:  # CuPy's by-value launch argument: a pointer to the bytes, kept alive with
 except ImportError:  # pragma: no cover - an older CuPy: it wraps the array itself on every launch
     _CNumpyArray = None
 
-MAX_PEERS = 8  # EPSERVE_MAX_PEERS
+# Ranks per node (EPSERVE_MAX_PEERS, common/nodes.cuh): the kernel structs' address tables hold
+# the ranks of this rank's node only (CUDA IPC reaches no further), by local index; the other
+# nodes' ranks are reached through the off-node staging, by arithmetic (docs/design.md, "Across nodes").
+MAX_PEERS = 8
+# Ranks in all (EPSERVE_MAX_WORLD): src_info names the source rank in 7 bits; per-destination
+# counts (count rows, arrival counters, destination sets) are sized by the world up to this.
+MAX_WORLD = 128
 # EPSERVE_MAX_LOCAL_EXPERTS (common/types.cuh): the GEMM keeps a table per local expert, the
 # dispatch layout kernel a thread
 MAX_LOCAL_EXPERTS = 512
@@ -39,11 +45,14 @@ PEER_SEND_CONFIG = np.dtype(
         ("error", np.uint64),
         ("status", np.uint64),
         ("timeout_ns", np.uint64),
+        ("off_recv", np.uint64),
         ("rank", np.int32),
         ("world", np.int32),
         ("top_k", np.int32),
         ("hidden", np.int32),
         ("max_tokens", np.int32),
+        ("ranks_per_node", np.int32),
+        ("node_first", np.int32),
         ("reserved", np.int32),
     ],
     align=True,
@@ -61,6 +70,9 @@ DISPATCH_CONFIG = np.dtype(
         ("error", np.uint64),
         ("status", np.uint64),
         ("timeout_ns", np.uint64),
+        ("off_count_row", np.uint64),
+        ("off_blocks", np.uint64),
+        ("off_block_bytes", np.int64),
         ("rank", np.int32),
         ("world", np.int32),
         ("num_experts", np.int32),
@@ -69,23 +81,44 @@ DISPATCH_CONFIG = np.dtype(
         ("max_tokens", np.int32),
         ("max_recv_rows", np.int32),
         ("ranks_per_node", np.int32),
+        ("node_first", np.int32),
+        ("reserved", np.int32),
+    ],
+    align=True,
+)
+
+# The combine's release table (cuda/comm/combine.cu): this node's ranks' ready arrays, by local index.
+PEER_COUNTERS = np.dtype(
+    [
+        ("ready", np.uint64, (MAX_PEERS,)),
+        ("ranks_per_node", np.int32),
+        ("node_first", np.int32),
     ],
     align=True,
 )
 
 # CUDA struct name -> dtype, for the layout test
-STRUCTS = {"PeerSendConfig": PEER_SEND_CONFIG, "DispatchConfig": DISPATCH_CONFIG}
+STRUCTS = {"PeerSendConfig": PEER_SEND_CONFIG, "DispatchConfig": DISPATCH_CONFIG, "PeerCounters": PEER_COUNTERS}
 
-# The pointer tables (PeerBases, PeerCounters) passed by value to the row and release kernels.
+# The pointer table (PeerBases) passed by value to the host-planned dispatch's pull kernel
+# (one node only: it is refused across nodes).
 PEER_POINTERS = np.dtype([("ptr", np.uint64, (MAX_PEERS,))], align=True)
+
+_TABLES = "the address tables hold the ranks of one node"
 
 
 def pack(dtype: np.dtype, **fields) -> np.ndarray:
-    """One struct as a size-1 array; every field must be given (`world` among them). Per-rank
-    table fields take a list of `world` addresses."""
-    world = fields.get("world", 0)
-    if world > MAX_PEERS:
-        raise ValueError(f"epserve's peer paths serve at most {MAX_PEERS} ranks, got {world}")
+    """One struct as a size-1 array; every field must be given. Per-rank table fields take a
+    list of `ranks_per_node` addresses: the ranks of this rank's node, by local index (rank -
+    node_first), never more than MAX_PEERS; `world` may be up to MAX_WORLD."""
+    world, R, first = fields.get("world", 0), fields.get("ranks_per_node", 0), fields.get("node_first", 0)
+    if world > MAX_WORLD:
+        raise ValueError(f"epserve serves at most {MAX_WORLD} ranks (src_info's 7 rank bits), got {world}")
+    if R > MAX_PEERS:
+        raise ValueError(f"{_TABLES}: at most {MAX_PEERS} ranks per node, got {R}")
+    if "ranks_per_node" in fields and not (R >= 1 and 0 <= first and first + R <= max(world, 1)
+                                           and first <= fields.get("rank", first) < first + R):
+        raise ValueError(f"the node [{first}, {first + R}) must hold rank {fields.get('rank')} of {world}")
     missing = set(dtype.names) - set(fields) - {"reserved"}
     unknown = set(fields) - set(dtype.names)
     if missing or unknown:
@@ -93,9 +126,9 @@ def pack(dtype: np.dtype, **fields) -> np.ndarray:
     out = np.zeros(1, dtype)
     for name, value in fields.items():
         if dtype.fields[name][0].shape:
-            if len(value) != world:
-                raise ValueError(f"{name}: need one address per rank ({world}), got {len(value)}")
-            out[name][0, :world] = value
+            if len(value) != R:
+                raise ValueError(f"{name}: need one address per rank of the node ({R}), got {len(value)}")
+            out[name][0, :R] = value
         else:
             out[name] = value
     return out
@@ -109,8 +142,19 @@ def pack_dispatch_config(**fields) -> np.ndarray:
     return pack(DISPATCH_CONFIG, **fields)
 
 
+def pack_peer_counters(*, ready, ranks_per_node: int, node_first: int) -> np.ndarray:
+    """The combine's PeerCounters: `ready` holds this node's ranks' ready arrays, by local index."""
+    if not 1 <= ranks_per_node <= MAX_PEERS or len(ready) != ranks_per_node:
+        raise ValueError(f"{_TABLES}: {len(ready)} ready arrays for {ranks_per_node} ranks per node "
+                         f"(at most {MAX_PEERS})")
+    table = np.zeros(1, PEER_COUNTERS)
+    table["ready"][0, :ranks_per_node] = ready
+    table["ranks_per_node"], table["node_first"] = ranks_per_node, node_first
+    return table
+
+
 def pack_peer_pointers(addresses) -> np.ndarray:
-    """A PeerBases / PeerCounters table as a size-1 array."""
+    """A PeerBases table as a size-1 array."""
     if len(addresses) > MAX_PEERS:
         raise ValueError(f"at most {MAX_PEERS} peers, got {len(addresses)}")
     table = np.zeros(1, PEER_POINTERS)

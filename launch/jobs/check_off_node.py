@@ -14,6 +14,13 @@ element written. Where every rank has its own GPU, the NCCL dispatch (with both 
 same bits too. Then check_service's bad inputs on the multi-node service: every rank raises,
 and the service goes on giving the same bits. Prints `RESULT {json}` lines; exits non-zero if
 any check failed on any rank.
+
+More than 8 ranks cannot run as one node (a node holds at most 8): then
+--reference-ranks-per-node R0 makes the reference run another forced layout (for example 16
+ranks as 4 nodes of 4 against 2 nodes of 8), and both must give the same bits:
+
+    EPSERVE_OFFNODE_CARRIER=ipc python launch/run.py -n 16 --share-gpu -- python -m mpi4py \
+        launch/jobs/check_off_node.py --ranks-per-node 8 --reference-ranks-per-node 4 --shapes 1
 """
 
 from __future__ import annotations
@@ -63,16 +70,19 @@ def run_calls(svc, comm, calls, E, k, H, I, opts, seed):
     return results, first
 
 
-def run_shape(comm, name, H, I, E, k, calls, opts, seed, ranks_per_node):
+def run_shape(comm, name, H, I, E, k, calls, opts, seed, ranks_per_node, reference_ranks_per_node=None):
     world = comm.Get_size()
     E = experts_for(E, world)
     max_tokens = max(max(tokens_for(c, world)) for c in calls)
     cfg = MoEConfig(E, k, H, I, max_tokens, world_size=world, wait_timeout_s=20.0)
     failures, info = [], {"calls": len(calls)}
     os.environ.pop(RANKS_PER_NODE_ENV, None)
-    with EPService(cfg, comm) as svc:  # one node: the reference run
-        if svc.off_node is not None:
+    if reference_ranks_per_node:  # more ranks than a node holds: another forced layout is the reference
+        os.environ[RANKS_PER_NODE_ENV] = str(reference_ranks_per_node)
+    with EPService(cfg, comm) as svc:  # one node (or reference_ranks_per_node): the reference run
+        if svc.off_node is not None and not reference_ranks_per_node:
             return [f"the one-node service has an off-node part ({svc.nodes})"], info
+        info["reference_nodes"] = svc.nodes.nodes
         one, _ = run_calls(svc, comm, calls, E, k, H, I, opts, seed)
     os.environ[RANKS_PER_NODE_ENV] = str(ranks_per_node)
     with EPService(cfg, comm) as svc:
@@ -113,12 +123,15 @@ def run_shape(comm, name, H, I, E, k, calls, opts, seed, ranks_per_node):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--ranks-per-node", type=int, required=True)
+    p.add_argument("--reference-ranks-per-node", type=int, default=None,
+                   help="the reference run's forced node size (default: one node)")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--shapes", type=int, default=len(SHAPES), help="the first N of check_service's shapes")
     args = p.parse_args()
     comm = ep_comm.world()
     return run_cases(comm, "check_off_node", list(enumerate(SHAPES[: args.shapes])), lambda case: record(
-        comm, case[1][0], *run_shape(comm, *case[1], args.seed + 10 * case[0], args.ranks_per_node)))
+        comm, case[1][0], *run_shape(comm, *case[1], args.seed + 10 * case[0], args.ranks_per_node,
+                                     args.reference_ranks_per_node)))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import pytest
 
 from epserve.errors import BuildError
 from epserve.runtime import build, kernels
+from epserve.runtime.kernel_structs import PEER_SEND_CONFIG
 
 
 @pytest.fixture
@@ -72,7 +73,7 @@ def variant_ptx(name: str) -> str:
 
 def config_param_uses(ptx: str) -> list[str]:
     """PTX lines that read the PeerSendConfig parameter (a load, or taking its address)."""
-    param = re.search(r"\.param \.align 8 \.b8 (epserve_\w+_param_\d+)\[192\]", ptx)
+    param = re.search(rf"\.param \.align 8 \.b8 (epserve_\w+_param_\d+)\[{PEER_SEND_CONFIG.itemsize}\]", ptx)
     assert param, "the GEMM takes PeerSendConfig by value in both builds"
     return [line for line in ptx.splitlines() if param.group(1) in line and ".param .align" not in line]
 

@@ -26,7 +26,7 @@ GOOD = dict(num_experts=8, top_k=2, hidden=128, intermediate=64, max_tokens_per_
     (dict(top_k=9), "top_k"),
     (dict(num_experts=32, top_k=17), "top_k"),
     (dict(num_experts=256, world_size=256), "world_size"),
-    (dict(num_experts=9 * 4, world_size=9), "world_size.*at most 8"),
+    (dict(num_experts=129 * 2, world_size=129), "world_size = 129.*at most 128 .*7 bits"),
     (dict(num_experts=2048, world_size=8), "num_experts.*at most 1024"),
     (dict(num_experts=1024, world_size=1), "1024 experts per rank.*at most 512"),
     (dict(max_tokens_per_rank=2**20 + 1), "max_tokens_per_rank"),
@@ -55,6 +55,8 @@ def test_tile_message_says_why():
     {},
     dict(world_size=1),
     dict(num_experts=16, top_k=16, world_size=8),
+    dict(num_experts=32, top_k=4, world_size=16),  # two nodes of 8
+    dict(num_experts=1024, top_k=8, world_size=128),  # what src_info names
     dict(num_experts=1024, world_size=8, max_tokens_per_rank=2**20),  # every limit at its bound
     dict(num_experts=512, world_size=1),
     dict(num_experts=256, top_k=8, hidden=7168, intermediate=2048, max_tokens_per_rank=4096, world_size=8),  # dsv3
@@ -131,6 +133,6 @@ def test_world_size_must_match_the_communicator():
 def test_a_limit_wins_over_a_rank_count_mismatch():
     """MoEConfig refuses a config beyond the kernels' limits itself, so the limit is what a
     user hears about, not that the communicator has another number of ranks."""
-    with pytest.raises(ConfigError, match="world_size = 9 .*at most 8") as caught:
-        MoEConfig(**{**GOOD, "num_experts": 36, "world_size": 9})
+    with pytest.raises(ConfigError, match="world_size = 129 .*at most 128") as caught:
+        MoEConfig(**{**GOOD, "num_experts": 258, "world_size": 129})
     assert not isinstance(caught.value, RankMismatchError)

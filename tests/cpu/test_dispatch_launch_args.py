@@ -283,3 +283,15 @@ def test_off_node_launches_match_their_kernels(monkeypatch, tmp_path):
     for fn, _, _, args, _ in Called.calls:
         sizes = [8 if isinstance(a, Device) else np.asarray(a).nbytes for a in args]
         assert sizes == param_sizes(staging_ptx, fn.name), fn.name
+
+
+@pytest.mark.parametrize("transport", ["direct", "nccl"])
+def test_more_than_a_node_of_ranks_takes_the_wide_route_kernels(ptx, fakes, transport):
+    """Past 8 ranks the route's *_wide kernels (a token's destination set in several registers,
+    cuda/comm/dispatch.cu) take the place of the one-node ones, with the same parameters."""
+    for name in route_mod._KERNELS[transport]:
+        assert param_sizes(ptx, name + "_wide") == param_sizes(ptx, name), name
+    for world, wide in ((2, False), (8, False), (16, True), (128, True)):
+        r = route_mod.Route(transport, num_experts=1024, world=world, top_k=K, max_tokens=T)
+        names = (r.count_publish.name, r.rank_layout.name)
+        assert names == tuple(n + "_wide" if wide else n for n in route_mod._KERNELS[transport]), world

@@ -48,41 +48,77 @@ def test_staging_sizes(layout):
             assert p.meta_offset(q) + p.meta_block_bytes <= p.tokens_offset(q + 1)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-def test_kernels_addresses_land_in_the_staging(layout):
-    """What the kernels compute from the tables (cuda/comm/dispatch_route.cuh publish,
-    dispatch.cu send_tokens and release, sinks/row_scatter.cuh) falls inside this rank's
-    staging block for the destination, or on this rank's own counters."""
-    W = layout.world
-    staging, scratch, ready, my_ready = 1 << 40, 2 << 40, 3 << 40, 4 << 40
-    ipc = [[(d + 1) << 30 for d in range(W)] for _ in range(5)]
+# More than 8 ranks: nodes of 8 (the most a node holds; the kernels' address tables' size).
+WIDE = [NodeLayout(16, 8), NodeLayout(32, 8), NodeLayout(128, 8)]
+
+
+def node_index(d, first, R):
+    """cuda/common/nodes.cuh node_index: d's local index on the node [first, first + R), or -1."""
+    return d - first if 0 <= d - first < R else -1
+
+
+def off_node_block(d, first, R):
+    """cuda/common/nodes.cuh off_node_block."""
+    return d if d < first else d - R
+
+
+@pytest.mark.parametrize("layout", LAYOUTS + WIDE, ids=str)
+def test_rank_to_slot_and_block(layout):
+    """What the kernels compute from (node_first, ranks_per_node): a rank of this node is its
+    local index in the address tables (PeerGroup.node_table), any other its staging block."""
+    from epserve.comm.peers import PeerGroup
+
+    W, R = layout.world, layout.ranks_per_node
     for p in plans(layout):
-        r, peers = p.rank, p.peers
-        t = p.dispatch_tables(count_table=ipc[0], tokens=ipc[1], meta=ipc[2], count_arrive=ipc[3], ready=ipc[4],
-                              staging=staging, scratch=scratch, my_dispatch_ready=ready)
+        first = p.rank // R * R
+        group = PeerGroup(FakeComm([None] * W, rank=p.rank), layout)
+        assert group.node_ranks == range(first, first + R)
+        by_rank = [0x1000 + d for d in range(W)]
+        table = group.node_table(by_rank)
+        assert len(table) == R <= 8
         for d in range(W):
-            if d not in peers:  # on this node: the IPC addresses, untouched
-                assert [t[f][d] for f in ("count_table", "tokens", "meta", "count_arrive", "ready")] == \
-                    [ipc[i][d] for i in range(5)]
-                continue
+            q = node_index(d, first, R)
+            if layout.same_node(p.rank, d):
+                assert table[q] == by_rank[d] and q == layout.local_index(d)
+            else:
+                assert q == -1 and off_node_block(d, first, R) == p.block(d)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS + WIDE, ids=str)
+def test_kernels_addresses_land_in_the_staging(layout):
+    """What the kernels compute for a rank of another node (cuda/comm/dispatch.cu token_dst
+    and meta_dst, dispatch_route.cuh's publish, sinks/row_scatter.cuh), from the struct fields
+    the plan gives: inside this rank's staging block for that rank, blocks disjoint, and the
+    place the carrier sends from."""
+    staging, off_recv = 1 << 40, 2 << 40
+    for p in plans(layout):
+        f = p.dispatch_staging(staging)
+        assert f["off_count_row"] == staging  # publish: the count row at the staging's start
+        assert f["off_blocks"] % 16 == 0 and f["off_block_bytes"] % 16 == 0  # 16-byte stores
+        for d in p.peers:
             q = p.block(d)
-            assert t["count_table"][d] + r * p.count_row_ints * 4 == staging  # publish: table[d] + rank * row
             for pos in (0, T - 1):
-                row = t["tokens"][d] + (r * T + pos) * H * 2  # send: tokens[d] + (rank * max_tokens + pos) * H
-                assert staging + p.tokens_offset(q) <= row < staging + p.tokens_offset(q) + p.tokens_block_bytes
-                meta = t["meta"][d] + (r * T + pos) * p.meta_len * 4
-                assert staging + p.meta_offset(q) <= meta < staging + p.meta_offset(q) + p.meta_block_bytes
-            assert t["count_arrive"][d] + r * 8 == scratch
-            assert t["ready"][d] + r * 8 == ready + d * 8  # the release advances this rank's own ready[d]
-        s = p.send_tables(recv=ipc[0], arrive=ipc[3], staging=staging, scratch=scratch)
-        for d in peers:
-            assert s["recv"][d] == staging + p.block(d) * p.combine_block_bytes  # slot (t, j) as in d's recv
-            assert s["arrive"][d] + r * 8 == scratch
-        rt = p.ready_table(ipc[4], my_ready)
-        assert all(rt[d] + r * 8 == my_ready + d * 8 for d in peers)
-        chunks = p.chunk_arrive_table(ipc[3], scratch)
-        assert all(chunks[d] == scratch for d in peers) and all(chunks[d] == ipc[3][d] for d in range(W)
-                                                                  if d not in peers)
+                row = p.token_row_address(f, d, pos)
+                assert staging + p.tokens_offset(q) <= row
+                assert row + H * 2 <= staging + p.tokens_offset(q) + p.tokens_block_bytes
+                meta = p.meta_address(f, d, pos)
+                assert staging + p.meta_offset(q) <= meta
+                assert meta + p.meta_len * 4 <= staging + p.meta_offset(q) + p.meta_block_bytes
+            assert p.token_row_address(f, d, 0) == staging + p.tokens_offset(q)  # the carrier sends from here
+            assert p.meta_address(f, d, 0) == staging + p.meta_offset(q)
+            first_slot = p.combine_slot_address(off_recv, d, 0, 0)
+            last_slot = p.combine_slot_address(off_recv, d, T - 1, K - 1, HC - 8)
+            assert first_slot == off_recv + q * p.combine_block_bytes  # the combine group sends block q
+            assert last_slot + 16 == off_recv + (q + 1) * p.combine_block_bytes
+        assert p.dispatch_staging_bytes == p.tokens_offset(len(p.peers))
+
+
+def test_staging_sizes_at_128_ranks():
+    """The staging at the limit: 120 off-node blocks, the count row of E + W + 1 ints."""
+    p = OffNodePlan(NodeLayout(128, 8), 77, 1024, 8, 7168, 7168, 128)
+    assert len(p.peers) == 120 and p.count_row_ints == 1024 + 128 + 1
+    assert [p.block(d) for d in (0, 71, 80, 127)] == [0, 71, 72, 119]
+    assert p.combine_staging_bytes == 120 * 128 * 8 * 7168 * 2
 
 
 class Buf:
@@ -142,8 +178,14 @@ def test_carriers_refuse_where_they_cannot_run():
 
 
 class FakeComm:
-    def __init__(self, values):
-        self.values = values
+    def __init__(self, values, rank=0):
+        self.values, self.rank = values, rank
+
+    def Get_rank(self):
+        return self.rank
+
+    def Get_size(self):
+        return len(self.values)
 
     def allgather(self, mine):
         return [mine if v is None else v for v in self.values]
@@ -159,7 +201,9 @@ def test_agree_carrier(monkeypatch):
         agree_carrier(FakeComm([None, (None, "bad")]), NodeLayout(2, 1))
 
 
-def test_world_limit_still_refused_clearly():
-    """This first version keeps the peer structs' 8 ranks (docs/design.md, "Across nodes", Limits)."""
-    with pytest.raises(ConfigError, match="world_size"):
-        MoEConfig(32, 2, 64, 64, 16, world_size=16)
+def test_world_limit_is_what_src_info_names():
+    """Up to 128 ranks (src_info's 7 rank bits), nodes of at most 8 (docs/design.md, "Limits")."""
+    MoEConfig(32, 2, 64, 64, 16, world_size=16)
+    MoEConfig(128, 2, 64, 64, 16, world_size=128)
+    with pytest.raises(ConfigError, match="world_size = 256 .*at most 128"):
+        MoEConfig(256, 2, 64, 64, 16, world_size=256)

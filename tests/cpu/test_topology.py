@@ -60,3 +60,23 @@ def test_every_rank_computes_the_same_layout_from_one_allgather(monkeypatch):
 
     monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
     assert gather_node_layout(Comm()) == NodeLayout(4, 2) and Comm.calls == 1
+
+
+@pytest.mark.parametrize("hosts,forced", [
+    (["a"] * 16, None),                 # one host of 16: a node of 16
+    (["a"] * 16 + ["b"] * 16, None),    # two hosts of 16
+    (["a"] * 16, 16),                   # forced to 16
+])
+def test_a_node_holds_at_most_eight_ranks(hosts, forced):
+    """The kernels' address tables hold the ranks of one node (8; cuda/common/nodes.cuh): a
+    larger node is refused at setup, alike on every rank (its inputs are gathered), saying what
+    to do instead."""
+    with pytest.raises(ConfigError, match=r"at most 8 ranks.*EPSERVE_RANKS_PER_NODE to a divisor of 16"):
+        node_layout(hosts, forced)
+
+
+@pytest.mark.parametrize("world", [16, 32, 128])
+def test_more_than_eight_ranks_as_nodes_of_eight(world):
+    assert node_layout(["a"] * world, 8) == NodeLayout(world, 8)
+    assert node_layout([f"h{r // 8}" for r in range(world)]) == NodeLayout(world, 8)
+    assert node_layout(["a"] * world, 4).nodes == world // 4

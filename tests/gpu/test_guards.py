@@ -54,8 +54,8 @@ def setup():
     src_info = cupy.asarray(np.concatenate([good, bad]).astype(np.int32))
     cfg = pack_peer_send_config(recv=[buf.ptr + GUARD], arrive=[signals.peer(0, sig.ARRIVE)],
                                 ready=signals.local(sig.READY), src_info=src_info.data.ptr,
-                                error=signals.local(sig.ERROR), status=0, timeout_ns=10**9, rank=0, world=1,
-                                top_k=TOP_K, hidden=H, max_tokens=TOKENS)
+                                error=signals.local(sig.ERROR), status=0, timeout_ns=10**9, off_recv=0, rank=0,
+                                world=1, top_k=TOP_K, hidden=H, max_tokens=TOKENS, ranks_per_node=1, node_first=0)
     return group, raw, signals, src_info, cfg, len(good)
 
 
