@@ -85,4 +85,28 @@ struct GroupedTileScheduler {
   }
 };
 
+// Split K (the wgmma GEMM's EPSERVE_GEMM_SPLIT_K): each tile becomes `parts` work items, part
+// p running k-slices [p * (k_slices / parts), (p + 1) * (k_slices / parts)), the last part to
+// k_slices (the split points are whole k-slices, rounded down). Items are numbered part-major,
+// every tile's part 0 first, then every tile's part 1: a counter handing out items in order
+// gives out every first part before any second one, so the part a second part continues was
+// handed out total_tiles items (a wave or more) earlier, and a CTA never holds a first part
+// behind a second part that waits for it.
+struct SplitItem {
+  int tile;      // the scheduler's tile index
+  int part;      // 0 .. parts - 1
+  int kt_begin;  // its k-slices: [kt_begin, kt_end)
+  int kt_end;
+};
+
+__device__ __forceinline__ SplitItem split_item(int index, int total_tiles, int parts, int k_slices) {
+  SplitItem s;
+  s.part = parts > 1 ? index / total_tiles : 0;
+  s.tile = index - s.part * total_tiles;
+  const int step = k_slices / parts;
+  s.kt_begin = s.part * step;
+  s.kt_end = s.part == parts - 1 ? k_slices : s.kt_begin + step;
+  return s;
+}
+
 }  // namespace epserve

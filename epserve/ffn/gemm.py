@@ -116,6 +116,34 @@ def _tile_counter(device: int, stream: int):
     return cupy.zeros(2, np.int32)
 
 
+# Split K (kernel knob EPSERVE_GEMM_SPLIT_K=2, GEMM 2 only): a tile's first half stores its fp32
+# accumulators in a workspace and raises a flag that its second half waits for. Per (device,
+# stream), as the tile counter: (workspace, state, tiles they hold).
+_SPLIT_BUFFERS: dict[tuple[int, int], tuple] = {}
+
+
+def split_k_tiles_bound(M: int, num_experts: int, N: int, tile_rows: int = 128, tile_cols: int = 256) -> int:
+    """The most tiles a grouped GEMM of M rows over num_experts experts can have: each expert's
+    rows make ceil(rows / 128) m-tiles, at most (rows + 127) / 128 and at most rows, so the
+    experts together at most min(M, (M + 127 E) / 128), times the N tiles."""
+    m_tiles = min(M, (M + (tile_rows - 1) * num_experts) // tile_rows)
+    return m_tiles * -(-N // tile_cols)
+
+
+def _split_buffers(device: int, stream: int, tiles: int, tile_floats: int, state_head: int) -> tuple:
+    """The split-K workspace (fp32, tile_floats a tile) and state (uint32: the epoch, an error
+    record, then two flags a tile) for launches on one stream. The kernel's last CTA advances
+    the epoch and flags compare against it, so nothing is reset between launches or graph
+    replays. Grown, never shrunk, when a launch may have more tiles: a new state starts at
+    epoch 0 with every flag clear, which is consistent in stream order (the old buffers go back
+    to CuPy's pool for this stream). Grow it before a graph capture (one eager call), not in it."""
+    have = _SPLIT_BUFFERS.get((device, stream))
+    if have is None or have[2] < tiles:
+        have = (cupy.empty(tiles * tile_floats, np.float32), cupy.zeros(state_head + 2 * tiles, np.uint32), tiles)
+        _SPLIT_BUFFERS[(device, stream)] = have
+    return have
+
+
 @functools.lru_cache(maxsize=256)
 def _rows_map(ptr: int, rows: int, cols: int, box_rows: int) -> np.ndarray:
     """A tensor map is a pure function of these, so one built once serves every call over the
@@ -136,22 +164,33 @@ def _wgmma_specs(variant: str, A, B, b_rows: int, C, expert_offsets, num_experts
     if M == 0:
         return []  # no rows, no tiles (and a tensor map cannot have an empty dimension)
     device = cupy.cuda.runtime.getDevice()
-    fn, smem, threads, grid, b_box = _wgmma_kernel(variant, device)
+    fn, smem, threads, grid, b_box, split = _wgmma_kernel(variant, device)
     # A in 64-row boxes, one per consumer warpgroup; B in boxes of the rows one tile's
     # accumulator columns take: 256, or 128 gate + 128 up rows with SwiGLU.
     map_a = _rows_map(A.data.ptr, M, K, 64)
     map_b = _rows_map(B.data.ptr, b_rows, K, b_box)
-    counter = _tile_counter(device, cupy.cuda.get_current_stream().ptr)
+    stream = cupy.cuda.get_current_stream().ptr
+    counter = _tile_counter(device, stream)
     args = (map_a, map_b, NULL if C is None else C, expert_offsets, i32(num_experts), i32(N), i32(K), cfg, i32(gate),
             counter)
+    if split:  # a split-K build takes its workspace, state and their size in tiles after the counter
+        tiles = split_k_tiles_bound(M, num_experts, N, tile_cols=b_box)
+        acc, state, capacity = _split_buffers(device, stream, tiles, *split)
+        args += (acc, state, i32(capacity))
     return [(fn, grid, threads, args, smem)]
 
 
 @functools.lru_cache(maxsize=None)
 def _wgmma_kernel(variant: str, device: int):
-    """Everything a wgmma GEMM launch needs that depends on the variant and device alone."""
+    """Everything a wgmma GEMM launch needs that depends on the variant and device alone; the
+    last item is None, or for a split-K build (fp32 floats a tile, uint32 words before the
+    flags) of its workspace and state."""
     fn, smem, threads = _gemm_kernel(variant, "epserve_grouped_gemm_wgmma", device)
-    return fn, smem, (threads,), (_wgmma_grid(variant, device),), _b_box_rows(variant, device)
+    split = None
+    if int(kernels.VARIANTS[variant][1].get("EPSERVE_GEMM_SPLIT_K", 1)) > 1:
+        mod = kernels.module(variant)
+        split = (module_int(mod, "epserve_gemm_split_tile_floats"), module_int(mod, "epserve_gemm_split_state_head"))
+    return fn, smem, (threads,), (_wgmma_grid(variant, device),), _b_box_rows(variant, device), split
 
 
 def swiglu(h, act, M: int, intermediate: int) -> None:

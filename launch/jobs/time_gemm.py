@@ -39,6 +39,8 @@ VARIANTS = {
     "gemm_wgmma_null+cluster2B": ("gemm_wgmma_null", {"EPSERVE_GEMM_CLUSTER": 2, "EPSERVE_GEMM_CLUSTER_SHARES_B": 1}),
     "gemm_wgmma_null+swap": ("gemm_wgmma_null", {"EPSERVE_GEMM_SWAP_TAILS": 1}),
     "gemm_wgmma_null+n128": ("gemm_wgmma_null", {"EPSERVE_GEMM_BN": 128}),
+    # every tile in two K halves, the second continuing from the first's stored accumulators
+    "gemm_wgmma_null+splitk2": ("gemm_wgmma_null", {"EPSERVE_GEMM_SPLIT_K": 2}),
     "gemm1_wgmma_swiglu+cluster2": ("gemm1_wgmma_swiglu", {"EPSERVE_GEMM_CLUSTER": 2}),
     "gemm1_wgmma_swiglu+cluster2B": ("gemm1_wgmma_swiglu", {"EPSERVE_GEMM_CLUSTER": 2,
                                                             "EPSERVE_GEMM_CLUSTER_SHARES_B": 1}),
@@ -195,13 +197,19 @@ def gemm2(rs, spec, offsets_host, w2_host, H, I, args):
     if not args.skip_cublas:
         runs["cuBLAS per expert"] = lambda: grouped_gemm_per_expert(A, w2, C_lib, offsets_host)
     times = interleaved_ms(runs, args.warmup, args.iters)
-    diff = ""
+    diffs = {}
+    gemm.grouped_gemm("null", A, w2, C, offsets, E, H, I)
     if not args.skip_cublas:
-        gemm.grouped_gemm("null", A, w2, C, offsets, E, H, I)
         grouped_gemm_per_expert(A, w2, C_lib, offsets_host)
-        diff = max_diff(C, C_lib)
+        diffs["cuBLAS per expert"] = max_diff(C, C_lib)
+    if args.variants:  # each variant against the default build's bits
+        for name, (base, _) in VARIANTS.items():
+            if base == "gemm_wgmma_null":
+                C_lib.fill(np.nan)
+                gemm._wgmma_gemm(name, A, w2, E * H, C_lib, offsets, E, H, I, gemm._NO_PEERS, 0)
+                diffs[name] = "bitwise" if bool((C.view(np.uint16) == C_lib.view(np.uint16)).all()) else "DIFFER"
     for path, ms in times.items():
-        row(spec, "GEMM 2", path, ms, flops, wbytes, diff if path == "cuBLAS per expert" else "")
+        row(spec, "GEMM 2", path, ms, flops, wbytes, diffs.get(path, ""))
 
 
 if __name__ == "__main__":
