@@ -47,7 +47,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import cupy
-import numpy as np
 
 from epserve.comm import signals as sig
 from epserve.comm.carriers import Recv, Send

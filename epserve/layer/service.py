@@ -203,7 +203,7 @@ class EPService:
                 return checked13, checked2
         checked = self._check_weights(w13, w2)
         if type(w13) is cupy.ndarray and type(w2) is cupy.ndarray:
-            if len(self._checked_weights) >= _MAX_REPLAYS:
+            if len(self._checked_weights) >= _MAX_KEYS:
                 self._checked_weights.clear()
             self._checked_weights[key] = tuple(weakref.ref(a) for a in (w13, w2) + checked)
         return checked
@@ -452,7 +452,7 @@ class EPService:
             with Recording() as recording:
                 self._forward_launches(x, topk_idx, topk_weights, w13, w2, "peer", "direct", out)
             if recording.complete:
-                if len(self._replays) >= _MAX_REPLAYS:
+                if len(self._replays) >= _MAX_KEYS:
                     self._replays.clear()
                 self._replays[key] = LaunchReplay.of(recording, inputs) or _NOT_REPLAYABLE
         elif replay is _NOT_REPLAYABLE:
@@ -594,7 +594,7 @@ class EPService:
         self.close()
 
 
-_MAX_REPLAYS = 512  # recorded forwards kept: token counts x weight sets (layers) in use
+_MAX_KEYS = 512  # recorded forwards kept: token counts x weight sets (layers) in use
 _NOT_REPLAYABLE = object()  # a recording LaunchReplay refused: build that call's launches each time
 
 

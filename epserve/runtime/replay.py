@@ -60,25 +60,22 @@ class LaunchReplay:
     def __call__(self, inputs: dict, stream: int) -> None:
         """The recorded launches on `stream`, with `inputs` (the same names, shapes and dtypes
         as recorded) in place of the recorded arrays."""
-        changed = []
         for name, a in inputs.items():
             ptr = a.data.ptr
             if ptr != self._pointers[name]:
                 for launch, index in self._slots[name]:
                     launch.set(index, a)
-                    changed.append(launch)
+                    self._stale.add(launch)
                 self._pointers[name] = ptr
         if self._graph is None:
             self._graph = KernelGraph.of(self._launches)
         # A stream being captured (EPService.capture) takes the launches themselves; the graph's
         # nodes of the launches rewritten meanwhile are brought up to date at its next launch.
         if self._graph and not _runtime.streamIsCapturing(stream):
-            self._stale.update(changed)
             self._graph.launch(self._stale, stream)
             self._stale.clear()
             self.graph_launches += 1
             return
-        self._stale.update(changed)
         for launch in self._launches:
             launch(stream)
 
