@@ -43,17 +43,21 @@
 //   CTA scope the pairs still ran 2-9% behind single CTAs. With EPSERVE_GEMM_CLUSTER_SHARES_B=1
 //   the pair computes neighbouring m-tiles of one expert and shares B (33% less traffic per
 //   CTA, but an expert's odd last m-tile leaves the follower idle): 13-23% behind.
-// - EPSERVE_GEMM_SPLIT_K=2 (GEMM 2's 128 x 256 tiles on single CTAs; not measured yet): every
-//   tile becomes two work items, its first and its second half of the k-slices (split at
-//   k_slices / 2, whole k-slices, rounded down; K of one k-slice is not split). The counter
-//   hands out every first half before any second half (gemm/tile_scheduler.cuh, split_item).
-//   A first half stores its fp32 accumulators to a workspace (per thread, in the register
-//   layout: coalesced, no shared memory) and releases its warpgroup's flag; the second half
-//   waits for the flag (bounded, then traps), loads them as its starting accumulators and
-//   goes on with wgmma's scale-d = 1: the same sums in the same k order as one unsplit tile,
-//   so the same bits as the default build. For shapes whose tiles make few waves (mixtral's
-//   GEMM 2: 2.4 waves of 132 SMs at 1024 tokens/rank, 4.8 as halves). Flags hold the epoch
-//   of the launch that set them; the last CTA advances the epoch, so no memset per launch.
+// - EPSERVE_GEMM_SPLIT_K=2 (GEMM 2's 128 x 256 tiles on single CTAs; shipped as the
+//   gemm_wgmma_*_split variants, chosen by epserve/ffn/tiles.py): a launch whose tiles make few
+//   waves runs every tile as two work items, its first and its second half of the k-slices
+//   (split at k_slices / 2, whole k-slices, rounded down). Whether a launch splits is decided
+//   here, from its exact tile count (gemm/tile_scheduler.cuh, split_parts): by rule, when the
+//   halves fill the SMs' last wave better, or always (split_policy 1, for tests); never when
+//   the workspace has no room for the tiles or K is one k-slice. The counter hands out every
+//   first half before any second half (split_item). A first half stores its fp32
+//   accumulators to a workspace (per thread, in the register layout: coalesced, no shared
+//   memory) and releases its warpgroup's flag; the second half waits for the flag (bounded,
+//   then traps), loads them as its starting accumulators and goes on with wgmma's scale-d = 1:
+//   the same sums in the same k order as one unsplit tile, so the same bits as the default
+//   build. Flags hold the epoch of the launch that set them; the last CTA advances the epoch,
+//   so no memset per launch. Mixtral's GEMM 2 (K 14336) on one H200: 0.419 against 0.450 ms
+//   at 1024 tokens/rank (2.2 waves), 0.738 against 0.751 at 2048 (notes/gemm.md).
 #include "common/bf16.cuh"
 #include "common/ptx.cuh"
 #include "common/wgmma_m64nN.cuh"
@@ -112,9 +116,9 @@ static_assert(kBN == 256 || (!kSwapTails && kCluster == 1 && !kSwiGLU), "a 128-w
 // Split K's constants.
 struct SplitK {
   static constexpr int kParts = EPSERVE_GEMM_SPLIT_K;
-  // The state (uint32): the launch epoch, an error record (code, tile), a spare word, then a
-  // flag per (tile, consumer warpgroup) holding the epoch + 1 of the launch whose first half
-  // set it.
+  // The state (uint32): the launch epoch, an error record (code, tile), the parts of the
+  // last launch (1 or 2: what split_parts decided, for tests and benchmarks), then a flag per
+  // (tile, consumer warpgroup) holding the epoch + 1 of the launch whose first half set it.
   static constexpr int kStateHead = 4;
   static constexpr unsigned kTimedOut = 1;  // state[1]: a second half's wait ran out ([2]: its tile)
   // Named barriers 5 and 6, of one consumer warpgroup each (1: the epilogue's; 2, 3: the
@@ -244,9 +248,11 @@ extern "C" __constant__ int epserve_gemm_cluster = kCluster;  // the grid is a m
 extern "C" __constant__ int epserve_gemm_split_tile_floats = kBM * kBN;
 extern "C" __constant__ int epserve_gemm_split_state_head = SplitK::kStateHead;
 // split_acc: the first halves' accumulators, kBM * kBN floats a tile; split_state: the epoch,
-// the error record and the flags (zero when allocated; never reset after); split_tiles: the
-// tiles both have room for (the kernel traps if a launch has more).
-#define EPSERVE_GEMM_SPLIT_PARAMS , float2* __restrict__ split_acc, unsigned* __restrict__ split_state, int split_tiles
+// the error record, the last launch's parts and the flags (zero when allocated; never reset
+// after); split_tiles: the tiles both have room for (a launch with more runs unsplit);
+// split_policy: 0 split by rule, 1 always (where the room and K allow).
+#define EPSERVE_GEMM_SPLIT_PARAMS \
+  , float2* __restrict__ split_acc, unsigned* __restrict__ split_state, int split_tiles, int split_policy
 #else
 #define EPSERVE_GEMM_SPLIT_PARAMS
 #endif
@@ -268,7 +274,7 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
 #if EPSERVE_GEMM_SPLIT_K == 1
   float2* const split_acc = nullptr;  // the split-K code below is compiled out (if constexpr)
   unsigned* const split_state = nullptr;
-  constexpr int split_tiles = 0;
+  constexpr int split_tiles = 0, split_policy = 0;
 #endif
   extern __shared__ __align__(1024) unsigned char smem[];
   unsigned char* ring_a = smem;
@@ -297,12 +303,13 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
   Scheduler sched;
   sched.init(expert_offsets, num_experts, N, mtile_prefix);  // its __syncthreads publishes the barriers too
   const int k_slices = K / kBK;
-  // Work items per tile: a K of one k-slice is not split.
-  const int parts = kSplitK > 1 && k_slices >= kSplitK ? kSplitK : 1;
+  // Work items per tile: every CTA computes the same from the same tile count.
+  const int parts =
+      kSplitK > 1 ? split_parts(sched.total_tiles, gridDim.x, k_slices, kSplitK, split_tiles, split_policy) : 1;
   unsigned split_epoch = 0;
   if constexpr (kSplitK > 1) {
     split_epoch = *split_epoch_slot;
-    if (parts > 1 && sched.total_tiles > split_tiles) __trap();  // the launcher sized the workspace too small
+    if (blockIdx.x == 0 && threadIdx.x == 0) split_state[3] = static_cast<unsigned>(parts);
   }
   // With clusters, the leader CTA's producer feeds both CTAs: the A tile by multicast, each
   // CTA's B tile (its own output columns), each stage's tile index by a remote store, and the
@@ -534,7 +541,7 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
               if (globaltimer_ns() - start > EPSERVE_GEMM_SPLIT_TIMEOUT_NS) {
                 split_state[2] = static_cast<unsigned>(item.tile);
                 split_state[1] = SplitK::kTimedOut;
-                __threadfence_system();
+                __threadfence();  // GPU scope: the null build keeps no system-scope code
                 __trap();
               }
               __nanosleep(128);

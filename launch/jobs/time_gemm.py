@@ -29,7 +29,7 @@ from epserve.arrays import BF16
 from epserve.bench import arithmetic, presets
 from epserve.bench.cublas import gemm_nt, grouped_gemm_per_expert
 from epserve.bench.events import median_ms, samples_ms
-from epserve.ffn import gemm
+from epserve.ffn import gemm, tiles
 from epserve.runtime import build, kernels
 from epserve.runtime.kernel_structs import PEER_SEND_CONFIG
 
@@ -39,8 +39,6 @@ VARIANTS = {
     "gemm_wgmma_null+cluster2B": ("gemm_wgmma_null", {"EPSERVE_GEMM_CLUSTER": 2, "EPSERVE_GEMM_CLUSTER_SHARES_B": 1}),
     "gemm_wgmma_null+swap": ("gemm_wgmma_null", {"EPSERVE_GEMM_SWAP_TAILS": 1}),
     "gemm_wgmma_null+n128": ("gemm_wgmma_null", {"EPSERVE_GEMM_BN": 128}),
-    # every tile in two K halves, the second continuing from the first's stored accumulators
-    "gemm_wgmma_null+splitk2": ("gemm_wgmma_null", {"EPSERVE_GEMM_SPLIT_K": 2}),
     "gemm1_wgmma_swiglu+cluster2": ("gemm1_wgmma_swiglu", {"EPSERVE_GEMM_CLUSTER": 2}),
     "gemm1_wgmma_swiglu+cluster2B": ("gemm1_wgmma_swiglu", {"EPSERVE_GEMM_CLUSTER": 2,
                                                             "EPSERVE_GEMM_CLUSTER_SHARES_B": 1}),
@@ -187,6 +185,12 @@ def gemm2(rs, spec, offsets_host, w2_host, H, I, args):
     gated_off = np.zeros(1, PEER_SEND_CONFIG)
     runs = {"wgmma (null sink)": lambda: gemm.grouped_gemm("null", A, w2, C, offsets, E, H, I),
             "wgmma (peer build, gated off)": lambda: gemm.grouped_gemm("peer", A, w2, None, offsets, E, H, I, gated_off, -1)}
+    # The build epserve/ffn/tiles.py chooses, and the other two choices beside it
+    chosen = tiles.gemm2_split_policy(M, E, H, I, gemm.sm_count(cupy.cuda.runtime.getDevice()))
+    splits = {"never": "wgmma (null sink), never split K", "always": "wgmma (null sink), split K always"}
+    if args.variants or chosen is not None:
+        for mode, path in splits.items():
+            runs[path] = lambda mode=mode: gemm.grouped_gemm("null", A, w2, C, offsets, E, H, I, split=mode)
     if args.variants:
         for name, (base, _) in VARIANTS.items():
             if base == "gemm_wgmma_null":
@@ -199,9 +203,17 @@ def gemm2(rs, spec, offsets_host, w2_host, H, I, args):
     times = interleaved_ms(runs, args.warmup, args.iters)
     diffs = {}
     gemm.grouped_gemm("null", A, w2, C, offsets, E, H, I)
+    record = gemm.split_k_record() if chosen is not None else None
+    print(f"# {spec}: GEMM 2's build: " + ("default (not split)" if chosen is None else
+          f"split K, by rule; the kernel ran {record['parts']} part(s) a tile"), flush=True)
     if not args.skip_cublas:
         grouped_gemm_per_expert(A, w2, C_lib, offsets_host)
         diffs["cuBLAS per expert"] = max_diff(C, C_lib)
+    for mode, path in splits.items():  # each choice against the chosen build's bits
+        if path in runs:
+            C_lib.fill(np.nan)
+            gemm.grouped_gemm("null", A, w2, C_lib, offsets, E, H, I, split=mode)
+            diffs[path] = "bitwise" if bool((C.view(np.uint16) == C_lib.view(np.uint16)).all()) else "DIFFER"
     if args.variants:  # each variant against the default build's bits
         for name, (base, _) in VARIANTS.items():
             if base == "gemm_wgmma_null":

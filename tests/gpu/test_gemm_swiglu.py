@@ -1,13 +1,15 @@
 """GEMM 1 with SwiGLU in its epilogue, the wgmma GEMM's ragged tiles (a partial m-tile
 computes only the 64-row halves that hold rows, or, built with swapped tails, its rows
 rounded up to 16) and its compile-time knobs, on one GPU against the two-kernel path, the
-default build and float64 NumPy. Split K (EPSERVE_GEMM_SPLIT_K=2) also against itself:
-launches back to back and replays of a CUDA graph, which share its flags and epoch."""
+default build and float64 NumPy. GEMM 2's split build (EPSERVE_GEMM_SPLIT_K=2) also against
+itself: launches back to back and replays of a CUDA graph, which share its flags and epoch;
+and its rule (epserve/ffn/tiles.py, split_parts in the kernel) on both sides of its line."""
 
 import numpy as np
 import pytest
 
 from epserve.check.testing import BF16, bf16_bits
+from epserve.ffn import tiles
 
 pytestmark = pytest.mark.gpu
 
@@ -172,9 +174,14 @@ def test_build_knobs_give_the_same_bits(knob, swiglu, shape, monkeypatch):
     want = cupy.full((M, N), np.nan, BF16)
     got = cupy.full((M, N), np.nan, BF16)
     gemm._wgmma_gemm(base, A, B, E * B_rows, want, off, E, N, K, gemm._NO_PEERS, 0)
-    gemm._wgmma_gemm(name, A, B, E * B_rows, got, off, E, N, K, gemm._NO_PEERS, 0)
+    split = knob is SPLIT_K
+    gemm._wgmma_gemm(name, A, B, E * B_rows, got, off, E, N, K, gemm._NO_PEERS, 0,
+                     split_policy=tiles.ALWAYS if split else tiles.BY_RULE)
     assert not np.isnan(cupy.asnumpy(want).astype(np.float32)).any(), "the default build left elements unwritten"
     assert np.array_equal(bf16_bits(got), bf16_bits(want))
+    if split:  # the build ran its tiles in halves, except where K is one k-slice
+        record = gemm.split_k_record()
+        assert record["parts"] == (2 if K >= 128 else 1) and record["error"] == 0, record
 
 
 def test_split_k_launches_back_to_back_and_graph_replays(monkeypatch):
@@ -197,7 +204,7 @@ def test_split_k_launches_back_to_back_and_graph_replays(monkeypatch):
     inputs = [cupy.asarray(rng.standard_normal((M, K), np.float32).astype(BF16)) for _ in range(6)]
 
     def launch(variant, A, C):
-        gemm._wgmma_gemm(variant, A, B, E * N, C, off, E, N, K, gemm._NO_PEERS, 0)
+        gemm._wgmma_gemm(variant, A, B, E * N, C, off, E, N, K, gemm._NO_PEERS, 0, split_policy=tiles.ALWAYS)
 
     want = []
     for A in inputs:
@@ -240,6 +247,37 @@ def test_split_k_launches_back_to_back_and_graph_replays(monkeypatch):
             launch(name, inputs[5 - r % 2], eager)
             stream.synchronize()
             assert np.array_equal(bf16_bits(eager), want[5 - r % 2]), f"eager launch after replay {r}"
-        host = cupy.asnumpy(state[:3])
+        host = cupy.asnumpy(state[:4])
         assert host[0] == epoch0 + 6, f"6 launches after the first two, epoch {host[0]} (was {epoch0})"
         assert host[1] == 0, f"a second half's wait timed out (tile {host[2]})"
+        assert host[3] == 2, "the launches ran whole tiles"
+
+
+@pytest.mark.parametrize("waves", [1.2, 2.0, 2.2, 4.2, 4.9, 5.4])
+def test_split_k_rule_splits_where_the_host_mirror_says(waves):
+    """GEMM 2's shipped split build, by rule: the kernel splits a launch's tiles exactly where
+    tiles.split_k_parts (the host's mirror of split_parts) says, from the exact tile count,
+    and never beyond the workspace's room (5.4 waves), with the default build's bits either
+    way. Experts of 128 rows (one m-tile each) over 8 column tiles, K of 8 k-slices."""
+    import cupy
+
+    from epserve.ffn import gemm
+    from epserve.runtime.launch import sm_count
+
+    ctas = sm_count(cupy.cuda.runtime.getDevice())
+    N, K = 2048, 512
+    E = max(1, round(waves * ctas / (N // 256)))
+    rows = [128] * E
+    M = sum(rows)
+    rng = np.random.default_rng(int(waves * 10))
+    off = cupy.asarray(_offsets(rows))
+    A = cupy.asarray(rng.standard_normal((M, K), np.float32).astype(BF16))
+    B = cupy.asarray((rng.standard_normal((E, N, K), np.float32) / np.sqrt(K)).astype(BF16))
+    want, got = cupy.full((M, N), np.nan, BF16), cupy.full((M, N), np.nan, BF16)
+    gemm._wgmma_gemm("gemm_wgmma_null", A, B, E * N, want, off, E, N, K, gemm._NO_PEERS, 0)
+    gemm._wgmma_gemm("gemm_wgmma_null_split", A, B, E * N, got, off, E, N, K, gemm._NO_PEERS, 0,
+                     split_policy=tiles.BY_RULE)
+    record = gemm.split_k_record()
+    expected = tiles.split_k_parts(E * (N // 256), ctas, K // 64, 2, tiles.room_tiles(ctas), tiles.BY_RULE)
+    assert record["parts"] == expected and record["error"] == 0, (record, expected, E)
+    assert np.array_equal(bf16_bits(got), bf16_bits(want))
