@@ -43,6 +43,21 @@
 //   CTA scope the pairs still ran 2-9% behind single CTAs. With EPSERVE_GEMM_CLUSTER_SHARES_B=1
 //   the pair computes neighbouring m-tiles of one expert and shares B (33% less traffic per
 //   CTA, but an expert's odd last m-tile leaves the follower idle): 13-23% behind.
+// - EPSERVE_GEMM_SPLIT_K=2 (GEMM 2's 128 x 256 tiles on single CTAs; shipped as the
+//   gemm_wgmma_*_split variants, chosen by epserve/ffn/tiles.py): a launch whose tiles make few
+//   waves runs every tile as two work items, its first and its second half of the k-slices
+//   (split at k_slices / 2, whole k-slices, rounded down). Whether a launch splits is decided
+//   here, from its exact tile count (gemm/tile_scheduler.cuh, split_parts): by rule, when the
+//   halves fill the SMs' last wave better, or always (split_policy 1, for tests); never when
+//   the workspace has no room for the tiles or K is one k-slice. The counter hands out every
+//   first half before any second half (split_item). A first half stores its fp32
+//   accumulators to a workspace (per thread, in the register layout: coalesced, no shared
+//   memory) and releases its warpgroup's flag; the second half waits for the flag (bounded,
+//   then traps), loads them as its starting accumulators and goes on with wgmma's scale-d = 1:
+//   the same sums in the same k order as one unsplit tile, so the same bits as the default
+//   build. Flags hold the epoch of the launch that set them; the last CTA advances the epoch,
+//   so no memset per launch. Mixtral's GEMM 2 (K 14336) on one H200: 0.419 against 0.450 ms
+//   at 1024 tokens/rank (2.2 waves), 0.738 against 0.751 at 2048 (notes/gemm.md).
 #include "common/bf16.cuh"
 #include "common/ptx.cuh"
 #include "common/wgmma_m64nN.cuh"
@@ -66,6 +81,12 @@
 #endif
 #ifndef EPSERVE_GEMM_CLUSTER_SHARES_B
 #define EPSERVE_GEMM_CLUSTER_SHARES_B 0  // 1: a cluster's CTAs share B (neighbouring m-tiles), not A
+#endif
+#ifndef EPSERVE_GEMM_SPLIT_K
+#define EPSERVE_GEMM_SPLIT_K 1  // 2: every tile runs as two work items, one per half of K
+#endif
+#ifndef EPSERVE_GEMM_SPLIT_TIMEOUT_NS
+#define EPSERVE_GEMM_SPLIT_TIMEOUT_NS 10000000000ull  // a second half's wait for its first half
 #endif
 #ifndef EPSERVE_GEMM_SWAP_STEP
 #define EPSERVE_GEMM_SWAP_STEP 16  // a swapped tile's rows are rounded up to this: 16, 32, 64 or 128
@@ -92,6 +113,24 @@ static_assert(kBN == 256 || kBN == 128, "tiles 128 x 256 or 128 x 128");
 // swapped tails and the CTA pairs are built around 256 weight rows a stage, SwiGLU around its
 // gate and up halves of 128.
 static_assert(kBN == 256 || (!kSwapTails && kCluster == 1 && !kSwiGLU), "a 128-wide tile: GEMM 2, no knobs");
+// Split K's constants.
+struct SplitK {
+  static constexpr int kParts = EPSERVE_GEMM_SPLIT_K;
+  // The state (uint32): the launch epoch, an error record (code, tile), the parts of the
+  // last launch (1 or 2: what split_parts decided, for tests and benchmarks), then a flag per
+  // (tile, consumer warpgroup) holding the epoch + 1 of the launch whose first half set it.
+  static constexpr int kStateHead = 4;
+  static constexpr unsigned kTimedOut = 1;  // state[1]: a second half's wait ran out ([2]: its tile)
+  // Named barriers 5 and 6, of one consumer warpgroup each (1: the epilogue's; 2, 3: the
+  // mailbox's; 4: the peer sink's send warps).
+  static constexpr int kBarrier = 5;
+};
+constexpr int kSplitK = SplitK::kParts;
+static_assert(kSplitK == 1 || kSplitK == 2, "split K in one or two parts");
+// Split K is for GEMM 2's wide tiles when they make few waves: the swapped tails' and SwiGLU's
+// accumulator layouts, the CTA pairs' shared stages and the 128-wide tile are not built for it.
+static_assert(kSplitK == 1 || (!kSwiGLU && !kSwapTails && kCluster == 1 && kBN == 256),
+              "split K: GEMM 2's 128 x 256 tiles on single CTAs (no SwiGLU, swapped tails, CTA pairs or BN=128)");
 constexpr int kAcc = kBN / 2;  // fp32 accumulators per consumer thread (m64 x kBN per warpgroup)
 constexpr int kOutCols = kSwiGLU ? kBN / 2 : kBN;  // output columns of a tile
 constexpr int kConsumers = 2, kConsumerThreads = 128 * kConsumers;
@@ -135,7 +174,8 @@ static_assert(!(Sink::kEnabled && OutTile::kSwizzled), "the peer sink reads the 
 constexpr int kSmemLimit = 227 * 1024;  // the most one block may opt in to on sm_90
 constexpr int kStaticSmem = Sink::kEnabled ? 2048 : 0;
 constexpr int kMaxStages = 6;
-constexpr int kTailBytes = 2 * kMaxStages * 8 + 32 + kMaxStages * 4 + (EPSERVE_MAX_LOCAL_EXPERTS + 1) * 4;
+constexpr int kTailBytes =
+    2 * kMaxStages * 8 + 32 + kMaxStages * 4 + (EPSERVE_MAX_LOCAL_EXPERTS + 1) * 4 + (kSplitK > 1 ? 16 : 0);
 constexpr int kFitStages = (kSmemLimit - kStaticSmem - OutTile::kBytes - kTailBytes) / (kStageA + kStageB);
 constexpr int kStages = kFitStages < kMaxStages ? kFitStages : kMaxStages;
 static_assert(kStages >= 2, "shared memory");
@@ -202,6 +242,20 @@ extern "C" __constant__ int epserve_gemm_threads = kThreads;
 extern "C" __constant__ int epserve_gemm_stages = kStages;
 extern "C" __constant__ int epserve_gemm_b_box_rows = kBN / kBLoads;  // the rows of B's TMA box
 extern "C" __constant__ int epserve_gemm_cluster = kCluster;  // the grid is a multiple of it
+#if EPSERVE_GEMM_SPLIT_K > 1
+// What the launcher allocates for split K (epserve/ffn/gemm.py): fp32 accumulators per tile in
+// the workspace, and the uint32 words of the state before its flags (two per tile).
+extern "C" __constant__ int epserve_gemm_split_tile_floats = kBM * kBN;
+extern "C" __constant__ int epserve_gemm_split_state_head = SplitK::kStateHead;
+// split_acc: the first halves' accumulators, kBM * kBN floats a tile; split_state: the epoch,
+// the error record, the last launch's parts and the flags (zero when allocated; never reset
+// after); split_tiles: the tiles both have room for (a launch with more runs unsplit);
+// split_policy: 0 split by rule, 1 always (where the room and K allow).
+#define EPSERVE_GEMM_SPLIT_PARAMS \
+  , float2* __restrict__ split_acc, unsigned* __restrict__ split_state, int split_tiles, int split_policy
+#else
+#define EPSERVE_GEMM_SPLIT_PARAMS
+#endif
 
 #if EPSERVE_GEMM_CLUSTER > 1
 #define EPSERVE_GEMM_CLUSTER_DIMS __cluster_dims__(EPSERVE_GEMM_CLUSTER, 1, 1)
@@ -215,7 +269,13 @@ extern "C" __constant__ int epserve_gemm_cluster = kCluster;  // the grid is a m
 extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads, 1)
     epserve_grouped_gemm_wgmma(const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b,
                                bf16_t* __restrict__ C, const int* __restrict__ expert_offsets, int num_experts, int N,
-                               int K, const PeerSendConfig cfg, int gate, int* __restrict__ tile_counter) {
+                               int K, const PeerSendConfig cfg, int gate,
+                               int* __restrict__ tile_counter EPSERVE_GEMM_SPLIT_PARAMS) {
+#if EPSERVE_GEMM_SPLIT_K == 1
+  float2* const split_acc = nullptr;  // the split-K code below is compiled out (if constexpr)
+  unsigned* const split_state = nullptr;
+  constexpr int split_tiles = 0, split_policy = 0;
+#endif
   extern __shared__ __align__(1024) unsigned char smem[];
   unsigned char* ring_a = smem;
   unsigned char* ring_b = ring_a + kStages * kStageA;
@@ -225,6 +285,7 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
   SendMailbox* mailbox = reinterpret_cast<SendMailbox*>(full + 2 * kMaxStages);
   int* stage_tile = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(mailbox) + 32);  // [kMaxStages]
   int* mtile_prefix = stage_tile + kMaxStages;
+  unsigned* split_epoch_slot = reinterpret_cast<unsigned*>(mtile_prefix + EPSERVE_MAX_LOCAL_EXPERTS + 1);
 
   if (threadIdx.x == 0) {
     if (smem_u32(smem) & 1023u) __trap();  // the 128-byte swizzle's pattern is tied to 1024-byte alignment
@@ -234,15 +295,28 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
     }
     fence_mbarrier_init();
   }
+  // Split K: the launch's epoch, read by the thread that later takes the CTA's done ticket
+  // (with release), so the last CTA advances it only after every CTA has read it.
+  if constexpr (kSplitK > 1) {
+    if (threadIdx.x == kProducerWarpgroup * 128) *split_epoch_slot = *reinterpret_cast<volatile unsigned*>(split_state);
+  }
   Scheduler sched;
   sched.init(expert_offsets, num_experts, N, mtile_prefix);  // its __syncthreads publishes the barriers too
+  const int k_slices = K / kBK;
+  // Work items per tile: every CTA computes the same from the same tile count.
+  const int parts =
+      kSplitK > 1 ? split_parts(sched.total_tiles, gridDim.x, k_slices, kSplitK, split_tiles, split_policy) : 1;
+  unsigned split_epoch = 0;
+  if constexpr (kSplitK > 1) {
+    split_epoch = *split_epoch_slot;
+    if (blockIdx.x == 0 && threadIdx.x == 0) split_state[3] = static_cast<unsigned>(parts);
+  }
   // With clusters, the leader CTA's producer feeds both CTAs: the A tile by multicast, each
   // CTA's B tile (its own output columns), each stage's tile index by a remote store, and the
   // peer's full barrier by a remote arrive; both CTAs' consumers free a stage on the
   // leader's empty barrier. So the peer's barriers must exist before the leader starts.
   const uint32_t cta = kCluster > 1 ? cluster_ctarank() : 0;
   if constexpr (kCluster > 1) cluster_sync();
-  const int k_slices = K / kBK;
   // Read through a shuffle so the compiler knows it is warp-uniform: the mainloop's stage and
   // descriptor arithmetic then stays in uniform registers, off the wgmma issue path.
   const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
@@ -286,24 +360,31 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
         else if (published) mbarrier_expect_tx_cluster(&full[stage], r, bytes);
         else mbarrier_expect_tx_remote(&full[stage], r, bytes);
       };
+      const int items = sched.total_tiles * parts;
       for (;;) {
         const int index = atomicAdd(tile_counter, 1);
-        if (index >= sched.total_tiles) {
+        if (index >= items) {
           mbarrier_wait(&empty[stage], phase ^ 1);
           for (int r = 0; r < kCluster; ++r) {
             publish(r, -1);
             expect(r, 0, true);
           }
           // The last cluster to stop resets the counter for the next launch on the stream:
-          // every cluster has taken its last ticket by then.
-          if (atomicAdd(tile_counter + 1, 1) == static_cast<int>(gridDim.x) / kCluster - 1) {
+          // every cluster has taken its last ticket by then. With split K it also advances the
+          // epoch: the tickets' release and acquire order every CTA's read of it before.
+          int ticket;
+          if constexpr (kSplitK > 1) ticket = atom_add_acq_rel_gpu(tile_counter + 1, 1);
+          else ticket = atomicAdd(tile_counter + 1, 1);
+          if (ticket == static_cast<int>(gridDim.x) / kCluster - 1) {
             tile_counter[0] = 0;
             tile_counter[1] = 0;
+            if constexpr (kSplitK > 1) *reinterpret_cast<volatile unsigned*>(split_state) = split_epoch + 1;
           }
           break;
         }
-        const GroupedTile t = sched.tile(index);
-        for (int kt = 0; kt < k_slices; ++kt) {
+        const SplitItem item = split_item(index, sched.total_tiles, parts, k_slices);
+        const GroupedTile t = sched.tile(item.tile);
+        for (int kt = item.kt_begin; kt < item.kt_end; ++kt) {
           mbarrier_wait(&empty[stage], phase ^ 1);  // every CTA's consumers are done with the stage
           // Each CTA's full barrier: one arrival and the bytes of its A (its rows, in 64-row
           // boxes) and its B, whoever loads them.
@@ -312,8 +393,8 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
             const bool has_part = part.rows > 0 && part.n_abs < N;
             const uint32_t a_bytes = (kShareB && !has_part) ? 0 : (part.rows > 64 ? 2 : 1) * kHalfA;
             const uint32_t b_bytes = (!kShareB && !has_part) ? 0 : kStageB;
-            if (kt == 0) publish(r, index);
-            expect(r, a_bytes + b_bytes, kt == 0);
+            if (kt == item.kt_begin) publish(r, index);
+            expect(r, a_bytes + b_bytes, kt == item.kt_begin);
           }
           // A: one tile for every CTA (multicast), or each CTA its own rows.
           for (int r = 0; r < (kShareB ? kCluster : 1); ++r) {
@@ -385,7 +466,8 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
       else mbarrier_wait_cluster(&full[stage], phase);
       const int index = stage_tile[stage];
       if (index < 0) break;
-      const GroupedTile t = cta_part(sched.tile(index), cta);
+      const SplitItem item = split_item(index, sched.total_tiles, parts, k_slices);
+      const GroupedTile t = cta_part(sched.tile(item.tile), cta);
       // A follower may have no part: an odd last column tile, or an expert's odd last m-tile.
       const bool has_cols = t.rows > 0 && t.n_abs < N;
       // An expert's last, partial m-tile runs with A and B swapped (swap_n > 0): the tile's
@@ -405,7 +487,7 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
       // its own branch, with the whole wgmma bracket inside it, so ptxas keeps it asynchronous.
       auto mainloop = [&](auto issue_slice) {
         int in_flight = -1;  // the stage whose wgmmas may still run (depth 1)
-        for (int kt = 0; kt < k_slices; ++kt) {
+        for (int kt = item.kt_begin; kt < item.kt_end; ++kt) {
           mbarrier_wait(&full[stage], phase);
           wgmma_fence();
           issue_slice(ring_a + stage * kStageA, ring_b + stage * kStageB, kt);
@@ -439,9 +521,42 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
         fence_operands_prefix<64>(acc);
         fence_operands(acc2);
       };
+      // Split K: this warpgroup's slot of the tile in the workspace (pair p of thread i at
+      // p * 128 + i: each warp's 8-byte stores and loads cover 256 contiguous bytes) and its
+      // flag. Pairs, not 16-byte quads: with 16-byte stores or loads of the accumulators ptxas
+      // serializes every wgmma of the kernel (C7514), as it does not with 8-byte ones.
+      const long long split_slot =
+          (static_cast<long long>(item.tile) * kConsumers + warpgroup) * (kAcc / 2) * 128 + tid % 128;
+      unsigned* const split_flag = split_state + SplitK::kStateHead + item.tile * kConsumers + warpgroup;
       if (swap_n == 0 && computes) {
+        if (kSplitK > 1 && item.part > 0) {
+          // A second half: wait until the first half's warpgroup has stored its accumulators
+          // (each thread acquires the flag itself), then start from them. A wait that runs out
+          // records (kTimedOut, tile) in the state and traps (no printf: a call in this function
+          // makes ptxas serialize its wgmmas, C7510).
+          const unsigned want = split_epoch + 1;
+          if (ld_acquire_gpu(split_flag) != want) {
+            const unsigned long long start = globaltimer_ns();
+            while (ld_acquire_gpu(split_flag) != want) {
+              if (globaltimer_ns() - start > EPSERVE_GEMM_SPLIT_TIMEOUT_NS) {
+                split_state[2] = static_cast<unsigned>(item.tile);
+                split_state[1] = SplitK::kTimedOut;
+                __threadfence();  // GPU scope: the null build keeps no system-scope code
+                __trap();
+              }
+              __nanosleep(128);
+            }
+          }
 #pragma unroll
-        for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;  // ends the previous tile's live range; the MMA overwrites it
+          for (int p = 0; p < kAcc / 2; ++p) {
+            const float2 v = ld_cg_f32x2(split_acc + split_slot + p * 128);
+            acc[2 * p] = v.x;
+            acc[2 * p + 1] = v.y;
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;  // ends the previous tile's live range; the MMA overwrites it
+        }
         mainloop([&](const unsigned char* a, const unsigned char* b, int kt) {
 #pragma unroll
           for (int kk = 0; kk < kBK / 16; ++kk)
@@ -450,7 +565,7 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
         });
         fence_operands(acc);
       } else if (swap_n == 0) {
-        for (int kt = 0; kt < k_slices; ++kt) {
+        for (int kt = item.kt_begin; kt < item.kt_end; ++kt) {
           mbarrier_wait(&full[stage], phase);
           release(stage);
           advance();
@@ -459,6 +574,20 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
         with_swap_width(swap_n, swapped);
       }
 
+      if constexpr (kSplitK > 1) {
+        if (item.part < parts - 1) {  // a first half: its accumulators go to the workspace, not the sink
+          if (swap_n == 0 && computes) {
+#pragma unroll
+            for (int p = 0; p < kAcc / 2; ++p)
+              st_global_f32x2(split_acc + split_slot + p * 128, acc[2 * p], acc[2 * p + 1]);
+            // Every thread of the warpgroup has stored; one releases the flag at GPU scope.
+            if (warpgroup == 0) named_barrier_sync<SplitK::kBarrier, 128>();
+            else named_barrier_sync<SplitK::kBarrier + 1, 128>();
+            if (tid % 128 == 0) st_release_gpu(split_flag, split_epoch + 1);
+          }
+          continue;
+        }
+      }
       if (!has_cols) continue;
       if constexpr (Sink::kEnabled) {
         if (gate < 0) continue;  // the peer sink gated off: the math alone

@@ -85,4 +85,45 @@ struct GroupedTileScheduler {
   }
 };
 
+// Split K (the wgmma GEMM's EPSERVE_GEMM_SPLIT_K): each tile becomes `parts` work items, part
+// p running k-slices [p * (k_slices / parts), (p + 1) * (k_slices / parts)), the last part to
+// k_slices (the split points are whole k-slices, rounded down). Items are numbered part-major,
+// every tile's part 0 first, then every tile's part 1: a counter handing out items in order
+// gives out every first part before any second one, so the part a second part continues was
+// handed out total_tiles items (a wave or more) earlier, and a CTA never holds a first part
+// behind a second part that waits for it.
+// How many parts each tile of a launch runs in: 1 or max_parts (2). Never split when the
+// workspace has no room for every tile (room), or K has fewer k-slices than parts. policy 1:
+// split wherever that allows (tests). policy 0, the rule: split when there is at least one
+// whole wave of tiles (below that a second half would only wait for its first on another
+// SM) and the halves fill the CTAs' waves at least 5 points better: with w1 = ceil(T / G)
+// waves of whole tiles and w2 = ceil(2T / G) of halves, 2T / (w2 G) >= T / (w1 G) + 0.05.
+// epserve/ffn/tiles.py mirrors it (split_k_parts) for the host's tests and benchmarks.
+__host__ __device__ __forceinline__ int split_parts(int tiles, int ctas, int k_slices, int max_parts, int room,
+                                                    int policy) {
+  if (max_parts < 2 || k_slices < max_parts || tiles <= 0 || tiles > room) return 1;
+  if (policy == 1) return max_parts;
+  if (tiles < ctas) return 1;
+  const long long t = tiles, g = ctas;
+  const long long w1 = (t + g - 1) / g, w2 = (2 * t + g - 1) / g;
+  return 20 * t * (2 * w1 - w2) >= w1 * w2 * g ? max_parts : 1;
+}
+
+struct SplitItem {
+  int tile;      // the scheduler's tile index
+  int part;      // 0 .. parts - 1
+  int kt_begin;  // its k-slices: [kt_begin, kt_end)
+  int kt_end;
+};
+
+__device__ __forceinline__ SplitItem split_item(int index, int total_tiles, int parts, int k_slices) {
+  SplitItem s;
+  s.part = parts > 1 ? index / total_tiles : 0;
+  s.tile = index - s.part * total_tiles;
+  const int step = k_slices / parts;
+  s.kt_begin = s.part * step;
+  s.kt_end = s.part == parts - 1 ? k_slices : s.kt_begin + step;
+  return s;
+}
+
 }  // namespace epserve

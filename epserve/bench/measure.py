@@ -166,7 +166,7 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
             for name in ("fused", "unfused", "library", "layer-fused", "layer-unfused", "layer-library", "layer-torch")}
 
     def unfused():
-        gemm.grouped_gemm("null", act, w2, C, direct.expert_offsets, w2.shape[0], H, I)
+        gemm.grouped_gemm("null", act, w2, C, direct.expert_offsets, w2.shape[0], H, I, rows=idx.size)
         if nccl_path is not None:  # its plan is the last NCCL dispatch's: these same inputs
             comb.unfused_nccl(C, nccl_path, idx, w, out=outs["unfused"])
         else:
@@ -193,7 +193,8 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
 
     runs = {
         "gemm1": lambda: gemm.gemm1_swiglu(direct.rows, w13, act_again, direct.expert_offsets, w13.shape[0], I, H),
-        "gemm2": lambda: comb.gemm_only(act, w2, rows_src, I),
+        # GEMM 2's build is chosen by the rows a call expects, T x k in forward: the same here
+        "gemm2": lambda: comb.gemm_only(act, w2, rows_src, I, rows=idx.size),
         "fused": lambda: comb.fused(act, w2, rows_src, idx, w, I, out=outs["fused"]),
         "unfused": unfused,
         "library": library,

@@ -85,12 +85,13 @@ class Combiner:
                 node_first=node.start))
         return cfg
 
-    def gemm_only(self, act, w2, plan: DevicePlan, intermediate: int) -> None:
+    def gemm_only(self, act, w2, plan: DevicePlan, intermediate: int, rows: int | None = None) -> None:
         """GEMM 2 with the peer sink gated off: the math alone, nothing sent or allocated.
-        act and w2: bf16 arrays, or an FP8Act and the FP8Weights (epserve/ffn/fp8_stage.py)."""
+        act and w2: bf16 arrays, or an FP8Act and the FP8Weights (epserve/ffn/fp8_stage.py).
+        rows: the rows the call expects (see fused)."""
         cfg = self.send_config(plan.src_info)
         gemm.run(gemm2_specs("peer", act, w2, None, plan.expert_offsets, self.experts_per_rank, self.hidden,
-                             intermediate, cfg, -1))
+                             intermediate, cfg, -1, rows=rows))
 
     def fused(self, act, w2, plan: DevicePlan, topk_idx, topk_weights, intermediate: int, out=None, status=None,
               armed: bool = False):
@@ -100,8 +101,11 @@ class Combiner:
         arm_combine), so no arm launch here."""
         self.epoch += 1
         cfg = self.send_config(plan.src_info, status)
+        # The rows this rank expects back-of-envelope, what it sent (T x k): the GEMM's build
+        # (epserve/ffn/tiles.py) is chosen by them; act is capacity-sized.
+        rows = topk_idx.shape[0] * topk_idx.shape[1]
         specs = gemm2_specs("peer", act, w2, None, plan.expert_offsets, self.experts_per_rank, self.hidden,
-                            intermediate, cfg, 0)
+                            intermediate, cfg, 0, rows=rows)
         return self._reduce(topk_idx, topk_weights, out, wait=True, status=status, before=specs, key="fused",
                             armed=armed)
 

@@ -107,9 +107,12 @@ def gemm1_specs(buffers: FP8Buffers, rows, expert_offsets, weights: FP8Weights, 
                                               b.act.scales, expert_offsets, experts, intermediate, hidden))
 
 
-def gemm2_specs(sink: str, act, w2, C, expert_offsets, experts: int, N: int, K: int, cfg=None, gate: int = 0) -> list:
-    """GEMM 2 for either dtype: act an FP8Act with w2 the FP8Weights, or bf16 act and w2."""
+def gemm2_specs(sink: str, act, w2, C, expert_offsets, experts: int, N: int, K: int, cfg=None, gate: int = 0,
+                rows: int | None = None) -> list:
+    """GEMM 2 for either dtype: act an FP8Act with w2 the FP8Weights, or bf16 act and w2.
+    rows: the rows the call expects (act is capacity-sized), for the bf16 GEMM's choice of
+    build (epserve/ffn/tiles.py)."""
     if isinstance(act, FP8Act):
         return gemm_fp8.grouped_gemm_fp8_specs(sink, act.q, act.scales, w2.w2, w2.w2_scales, C, expert_offsets,
                                                experts, N, K, cfg, gate)
-    return gemm.grouped_gemm_specs(sink, act, w2, C, expert_offsets, experts, N, K, cfg, gate)
+    return gemm.grouped_gemm_specs(sink, act, w2, C, expert_offsets, experts, N, K, cfg, gate, rows=rows)

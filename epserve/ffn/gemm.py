@@ -11,6 +11,7 @@ import os
 import cupy
 import numpy as np
 
+from epserve.ffn import tiles
 from epserve.runtime import kernels, tma
 from epserve.runtime.kernel_structs import PEER_SEND_CONFIG, i32, launch_arg
 from epserve.runtime.launch import NULL, module_int, pointer, sm_count
@@ -56,28 +57,35 @@ def gemm_impl() -> str:
 
 
 def grouped_gemm(sink: str, A, B, C, expert_offsets, num_experts: int, N: int, K: int, cfg=None, gate: int = 0,
-                 impl: str | None = None) -> None:
+                 impl: str | None = None, rows: int | None = None, split: str | None = None) -> None:
     """C[m] = A[m] @ B[e]^T per expert; `sink` "null" stores C, "peer" sends to recv (C may be None).
     A [M, K] and B [E, N, K] are CuPy bf16 arrays."""
-    run(grouped_gemm_specs(sink, A, B, C, expert_offsets, num_experts, N, K, cfg, gate, impl))
+    run(grouped_gemm_specs(sink, A, B, C, expert_offsets, num_experts, N, K, cfg, gate, impl, rows, split))
 
 
 def grouped_gemm_specs(sink: str, A, B, C, expert_offsets, num_experts: int, N: int, K: int, cfg=None,
-                       gate: int = 0, impl: str | None = None) -> list:
+                       gate: int = 0, impl: str | None = None, rows: int | None = None,
+                       split: str | None = None) -> list:
     """grouped_gemm's launches as specs, (kernel, grid, block, args, shared_mem), for a caller
-    that queues them itself (runtime.launch.LaunchSequence)."""
+    that queues them itself (runtime.launch.LaunchSequence). rows: the rows the call expects
+    when A is a capacity-sized buffer (default: all of A's); with `split` ("auto", "never",
+    "always"; default $EPSERVE_GEMM2_SPLIT_K) they choose the wgmma build (epserve/ffn/tiles.py).
+    Every choice gives the same bits."""
     if cfg is None:
         assert sink == "null", "the peer sink needs its PeerSendConfig"
         cfg = _NO_PEERS
     assert K % 64 == 0 and K > 0 and N % 64 == 0, (N, K)
     impl = impl or gemm_impl()
+    device = cupy.cuda.runtime.getDevice()
     if impl == "mma":
-        device = cupy.cuda.runtime.getDevice()
         fn, smem, threads = _gemm_kernel(f"gemm_{sink}", "epserve_grouped_gemm", device)
         args = (pointer(A), pointer(B), pointer(C), pointer(expert_offsets), i32(num_experts), i32(N), i32(K), cfg,
                 i32(gate))
         return [(fn, (sm_count(device),), (threads,), args, smem)]
-    return _wgmma_specs(f"gemm_wgmma_{sink}", A, B, num_experts * N, C, expert_offsets, num_experts, N, K, cfg, gate)
+    policy = tiles.gemm2_split_policy(A.shape[0] if rows is None else rows, num_experts, N, K, sm_count(device), split)
+    variant = f"gemm_wgmma_{sink}" if policy is None else f"gemm_wgmma_{sink}_split"
+    return _wgmma_specs(variant, A, B, num_experts * N, C, expert_offsets, num_experts, N, K, cfg, gate,
+                        split_policy=policy or 0)
 
 
 def gemm1_swiglu(A, w13, act, expert_offsets, num_experts: int, intermediate: int, hidden: int,
@@ -116,6 +124,40 @@ def _tile_counter(device: int, stream: int):
     return cupy.zeros(2, np.int32)
 
 
+# Split K (GEMM 2's split builds, EPSERVE_GEMM_SPLIT_K=2): a tile's first half stores its fp32
+# accumulators in a workspace and raises a flag that its second half waits for. Per (device,
+# stream), as the tile counter: (workspace, state, tiles they hold).
+_SPLIT_BUFFERS: dict[tuple[int, int], tuple] = {}
+
+
+def _split_buffers(device: int, stream: int, tile_floats: int, state_head: int) -> tuple:
+    """The split-K workspace (fp32, tile_floats a tile) and state (uint32: the epoch, an error
+    record, the last launch's parts, then two flags a tile) for launches on one stream, with
+    room for tiles.room_tiles tiles (a launch with more runs unsplit). The kernel's last CTA
+    advances the epoch and flags compare against it, so nothing is reset between launches or
+    graph replays; made once and never moved, so recorded launches (runtime/replay.py) and
+    captured graphs keep valid addresses."""
+    have = _SPLIT_BUFFERS.get((device, stream))
+    if have is None:
+        room = tiles.room_tiles(sm_count(device))
+        have = (cupy.empty(room * tile_floats, np.float32), cupy.zeros(state_head + 2 * room, np.uint32), room)
+        _SPLIT_BUFFERS[(device, stream)] = have
+    return have
+
+
+def split_k_record(device: int | None = None, stream: int | None = None) -> dict:
+    """The split-K state of launches on a stream (default: the current device and stream):
+    launches (the epoch), the parts the last launch ran its tiles in (1 or 2), and the error
+    record (0, or 1 with the tile whose second half's wait ran out). None before any launch."""
+    device = cupy.cuda.runtime.getDevice() if device is None else device
+    stream = cupy.cuda.get_current_stream().ptr if stream is None else stream
+    have = _SPLIT_BUFFERS.get((device, stream))
+    if have is None:
+        return None
+    state = cupy.asnumpy(have[1][:4])
+    return {"launches": int(state[0]), "error": int(state[1]), "error_tile": int(state[2]), "parts": int(state[3])}
+
+
 @functools.lru_cache(maxsize=256)
 def _rows_map(ptr: int, rows: int, cols: int, box_rows: int) -> np.ndarray:
     """A tensor map is a pure function of these, so one built once serves every call over the
@@ -126,32 +168,42 @@ def _rows_map(ptr: int, rows: int, cols: int, box_rows: int) -> np.ndarray:
 
 
 def _wgmma_gemm(variant: str, A, B, b_rows: int, C, expert_offsets, num_experts: int, N: int, K: int, cfg,
-                gate: int) -> None:
-    run(_wgmma_specs(variant, A, B, b_rows, C, expert_offsets, num_experts, N, K, cfg, gate))
+                gate: int, split_policy: int = tiles.BY_RULE) -> None:
+    run(_wgmma_specs(variant, A, B, b_rows, C, expert_offsets, num_experts, N, K, cfg, gate, split_policy))
 
 
 def _wgmma_specs(variant: str, A, B, b_rows: int, C, expert_offsets, num_experts: int, N: int, K: int, cfg,
-                 gate: int) -> list:
+                 gate: int, split_policy: int = tiles.BY_RULE) -> list:
     M = A.shape[0]
     if M == 0:
         return []  # no rows, no tiles (and a tensor map cannot have an empty dimension)
     device = cupy.cuda.runtime.getDevice()
-    fn, smem, threads, grid, b_box = _wgmma_kernel(variant, device)
+    fn, smem, threads, grid, b_box, split = _wgmma_kernel(variant, device)
     # A in 64-row boxes, one per consumer warpgroup; B in boxes of the rows one tile's
     # accumulator columns take: 256, or 128 gate + 128 up rows with SwiGLU.
     map_a = _rows_map(A.data.ptr, M, K, 64)
     map_b = _rows_map(B.data.ptr, b_rows, K, b_box)
-    counter = _tile_counter(device, cupy.cuda.get_current_stream().ptr)
+    stream = cupy.cuda.get_current_stream().ptr
+    counter = _tile_counter(device, stream)
     args = (map_a, map_b, NULL if C is None else C, expert_offsets, i32(num_experts), i32(N), i32(K), cfg, i32(gate),
             counter)
+    if split:  # a split-K build takes its workspace, state, their room in tiles and the policy
+        acc, state, room = _split_buffers(device, stream, *split)
+        args += (acc, state, i32(room), i32(split_policy))
     return [(fn, grid, threads, args, smem)]
 
 
 @functools.lru_cache(maxsize=None)
 def _wgmma_kernel(variant: str, device: int):
-    """Everything a wgmma GEMM launch needs that depends on the variant and device alone."""
+    """Everything a wgmma GEMM launch needs that depends on the variant and device alone; the
+    last item is None, or for a split-K build (fp32 floats a tile, uint32 words before the
+    flags) of its workspace and state."""
     fn, smem, threads = _gemm_kernel(variant, "epserve_grouped_gemm_wgmma", device)
-    return fn, smem, (threads,), (_wgmma_grid(variant, device),), _b_box_rows(variant, device)
+    split = None
+    if int(kernels.VARIANTS[variant][1].get("EPSERVE_GEMM_SPLIT_K", 1)) > 1:
+        mod = kernels.module(variant)
+        split = (module_int(mod, "epserve_gemm_split_tile_floats"), module_int(mod, "epserve_gemm_split_state_head"))
+    return fn, smem, (threads,), (_wgmma_grid(variant, device),), _b_box_rows(variant, device), split
 
 
 def swiglu(h, act, M: int, intermediate: int) -> None:

@@ -492,13 +492,13 @@ class EPService:
             if self._C is None:
                 self._C = cupy.empty((c.recv_rows_capacity, c.hidden), BF16)
             gemm.run(fp8_stage.gemm2_specs("null", self._act, w2, self._C, d.expert_offsets, c.experts_per_rank,
-                                           c.hidden, c.intermediate))
+                                           c.hidden, c.intermediate, rows=topk_idx.size))
             out = self.combiner.unfused_nccl(self._C, d, topk_idx, topk_weights, out=out)
         else:  # the null sink after the direct dispatch: C pushed over IPC; it reads the row count
             if self._C is None:
                 self._C = cupy.empty((c.recv_rows_capacity, c.hidden), BF16)
             gemm.run(fp8_stage.gemm2_specs("null", self._act, w2, self._C, d.expert_offsets, c.experts_per_rank,
-                                           c.hidden, c.intermediate))
+                                           c.hidden, c.intermediate, rows=topk_idx.size))
             rows = _RowSources(d.expert_offsets, d.src_info, d.rows_received())
             out = self.combiner.unfused(self._C, rows, topk_idx, topk_weights, out=out, status=d.status)
         return out

@@ -24,6 +24,9 @@ FP8_QUANTIZE_SOURCE = "ffn/quantize_fp8.cu"
 VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     **{f"gemm_{sink}": (GEMM_SOURCE, {"EPSERVE_SINK": cls}) for sink, cls in SINKS.items()},
     **{f"gemm_wgmma_{sink}": (WGMMA_GEMM_SOURCE, {"EPSERVE_SINK": cls}) for sink, cls in SINKS.items()},
+    # GEMM 2 in two K halves where its tiles make few waves (epserve/ffn/tiles.py chooses)
+    **{f"gemm_wgmma_{sink}_split": (WGMMA_GEMM_SOURCE, {"EPSERVE_SINK": cls, "EPSERVE_GEMM_SPLIT_K": 2})
+       for sink, cls in SINKS.items()},
     # GEMM 1 with SwiGLU in its epilogue: act stays on this GPU, so its sink is the null one
     "gemm1_wgmma_swiglu": (WGMMA_GEMM_SOURCE, {"EPSERVE_SINK": SINKS["null"], "EPSERVE_GEMM_SWIGLU": 1}),
     # FP8 experts (issue 16): GEMM 2 with either sink, GEMM 1 with SwiGLU and act quantized

@@ -29,7 +29,7 @@ from epserve.arrays import BF16
 from epserve.bench import arithmetic, presets
 from epserve.bench.cublas import gemm_nt, grouped_gemm_per_expert
 from epserve.bench.events import median_ms, samples_ms
-from epserve.ffn import gemm
+from epserve.ffn import gemm, tiles
 from epserve.runtime import build, kernels
 from epserve.runtime.kernel_structs import PEER_SEND_CONFIG
 
@@ -185,6 +185,12 @@ def gemm2(rs, spec, offsets_host, w2_host, H, I, args):
     gated_off = np.zeros(1, PEER_SEND_CONFIG)
     runs = {"wgmma (null sink)": lambda: gemm.grouped_gemm("null", A, w2, C, offsets, E, H, I),
             "wgmma (peer build, gated off)": lambda: gemm.grouped_gemm("peer", A, w2, None, offsets, E, H, I, gated_off, -1)}
+    # The build epserve/ffn/tiles.py chooses, and the other two choices beside it
+    chosen = tiles.gemm2_split_policy(M, E, H, I, gemm.sm_count(cupy.cuda.runtime.getDevice()))
+    splits = {"never": "wgmma (null sink), never split K", "always": "wgmma (null sink), split K always"}
+    if args.variants or chosen is not None:
+        for mode, path in splits.items():
+            runs[path] = lambda mode=mode: gemm.grouped_gemm("null", A, w2, C, offsets, E, H, I, split=mode)
     if args.variants:
         for name, (base, _) in VARIANTS.items():
             if base == "gemm_wgmma_null":
@@ -195,13 +201,27 @@ def gemm2(rs, spec, offsets_host, w2_host, H, I, args):
     if not args.skip_cublas:
         runs["cuBLAS per expert"] = lambda: grouped_gemm_per_expert(A, w2, C_lib, offsets_host)
     times = interleaved_ms(runs, args.warmup, args.iters)
-    diff = ""
+    diffs = {}
+    gemm.grouped_gemm("null", A, w2, C, offsets, E, H, I)
+    record = gemm.split_k_record() if chosen is not None else None
+    print(f"# {spec}: GEMM 2's build: " + ("default (not split)" if chosen is None else
+          f"split K, by rule; the kernel ran {record['parts']} part(s) a tile"), flush=True)
     if not args.skip_cublas:
-        gemm.grouped_gemm("null", A, w2, C, offsets, E, H, I)
         grouped_gemm_per_expert(A, w2, C_lib, offsets_host)
-        diff = max_diff(C, C_lib)
+        diffs["cuBLAS per expert"] = max_diff(C, C_lib)
+    for mode, path in splits.items():  # each choice against the chosen build's bits
+        if path in runs:
+            C_lib.fill(np.nan)
+            gemm.grouped_gemm("null", A, w2, C_lib, offsets, E, H, I, split=mode)
+            diffs[path] = "bitwise" if bool((C.view(np.uint16) == C_lib.view(np.uint16)).all()) else "DIFFER"
+    if args.variants:  # each variant against the default build's bits
+        for name, (base, _) in VARIANTS.items():
+            if base == "gemm_wgmma_null":
+                C_lib.fill(np.nan)
+                gemm._wgmma_gemm(name, A, w2, E * H, C_lib, offsets, E, H, I, gemm._NO_PEERS, 0)
+                diffs[name] = "bitwise" if bool((C.view(np.uint16) == C_lib.view(np.uint16)).all()) else "DIFFER"
     for path, ms in times.items():
-        row(spec, "GEMM 2", path, ms, flops, wbytes, diff if path == "cuBLAS per expert" else "")
+        row(spec, "GEMM 2", path, ms, flops, wbytes, diffs.get(path, ""))
 
 
 if __name__ == "__main__":

@@ -58,6 +58,60 @@ def test_fp8_experimental_builds_compile_without_spills_or_serialized_wgmmas(bas
     # the shipped build is one of the knobs' builds, so the GPU test's comparisons reach it
     assert {**defines, **gemm_fp8.KNOBS[gemm_fp8.SHIPPED[base]]} == defines, base
 
+SPLIT_K = {"EPSERVE_GEMM_SPLIT_K": 2}
+
+
+def kernel_params(ptx: str) -> int:
+    return len(set(re.findall(r"\.param [^\n]*?epserve_grouped_gemm_wgmma_param_(\d+)", ptx)))
+
+
+@pytest.mark.parametrize("base", ["gemm_wgmma_null", "gemm_wgmma_peer"])
+def test_split_k_builds_compile_without_spills_or_serialized_wgmmas(base, cache):
+    """GEMM 2 in two K halves (-DEPSERVE_GEMM_SPLIT_K=2, the gemm_wgmma_*_split variants):
+    no spill, no C75xx warning (ptxas serialized every wgmma when the accumulators were
+    stored or loaded 16 bytes at a time, C7514, or when the kernel called printf, C7510), the
+    flag handshake at GPU scope, and four parameters more than the default build, whose
+    argument list stays as it was. Before the -G test below, for the reason given above."""
+    source, defines = kernels.VARIANTS[base]
+    default = build.compile_source(source, defines).ptx.read_text()
+    art = build.compile_source(source, {**defines, **SPLIT_K})
+    assert not re.search(r"[1-9]\d* bytes spill stores", art.log), art.log
+    assert "C75" not in art.log, art.log
+    ptx = art.ptx.read_text()
+    for op in ("st.release.gpu.global.u32", "ld.acquire.gpu.global.u32", "atom.acq_rel.gpu.global.add.s32",
+               "st.global.v2.f32", "ld.global.cg.v2.f32"):
+        assert op in ptx, op
+        assert op not in default, op
+    assert kernel_params(default) == 10 and kernel_params(ptx) == 14
+    assert kernels.VARIANTS[base + "_split"] == (source, {**defines, **SPLIT_K})
+
+
+@pytest.mark.parametrize("base,knob", [("gemm1_wgmma_swiglu", {}),
+                                       ("gemm_wgmma_null", {"EPSERVE_GEMM_CLUSTER": 2}),
+                                       ("gemm_wgmma_null", {"EPSERVE_GEMM_SWAP_TAILS": 1}),
+                                       ("gemm_wgmma_null", {"EPSERVE_GEMM_BN": 128})])
+def test_split_k_is_refused_outside_gemm2_wide_tiles_on_single_ctas(base, knob, cache):
+    source, defines = kernels.VARIANTS[base]
+    with pytest.raises(BuildError, match="split K: GEMM 2's 128 x 256 tiles"):
+        build.compile_source(source, {**defines, **knob, **SPLIT_K})
+
+
+def test_time_gemm_variants_name_only_real_knobs():
+    """A misspelt define would time the default kernel under a variant's name."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("time_gemm", root / "launch" / "jobs" / "time_gemm.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    source = (root / "cuda" / kernels.WGMMA_GEMM_SOURCE).read_text()
+    for base, knobs in job.VARIANTS.values():
+        assert base in kernels.VARIANTS
+        for name in knobs:
+            assert f"#ifndef {name}\n" in source, name
+
+
 def variants_with_sink(sink: str) -> list[str]:
     """The shipped GEMM variants built with `sink` ("null" or "peer"): the mma.sync and the
     wgmma kernel, and any other that takes a sink."""

@@ -1,12 +1,15 @@
 """GEMM 1 with SwiGLU in its epilogue, the wgmma GEMM's ragged tiles (a partial m-tile
 computes only the 64-row halves that hold rows, or, built with swapped tails, its rows
 rounded up to 16) and its compile-time knobs, on one GPU against the two-kernel path, the
-default build and float64 NumPy."""
+default build and float64 NumPy. GEMM 2's split build (EPSERVE_GEMM_SPLIT_K=2) also against
+itself: launches back to back and replays of a CUDA graph, which share its flags and epoch;
+and its rule (epserve/ffn/tiles.py, split_parts in the kernel) on both sides of its line."""
 
 import numpy as np
 import pytest
 
 from epserve.check.testing import BF16, bf16_bits
+from epserve.ffn import tiles
 
 pytestmark = pytest.mark.gpu
 
@@ -109,41 +112,172 @@ def test_ragged_tails_match_float64(N, K):
     assert np.allclose(got[:M], ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
 
 
-_BOTH_GEMMS = [{"EPSERVE_GEMM_CLUSTER": 2},
-               {"EPSERVE_GEMM_CLUSTER": 2, "EPSERVE_GEMM_CLUSTER_SHARES_B": 1},
-               {"EPSERVE_GEMM_SWAP_TAILS": 1},
-               {"EPSERVE_GEMM_SWAP_TAILS": 1, "EPSERVE_GEMM_SWAP_STEP": 32}]
-_GEMM2_ONLY = [{"EPSERVE_GEMM_BN": 128}]  # the kernel refuses these with SwiGLU
+SPLIT_K = {"EPSERVE_GEMM_SPLIT_K": 2}
+KNOBS = [{"EPSERVE_GEMM_CLUSTER": 2},
+         {"EPSERVE_GEMM_CLUSTER": 2, "EPSERVE_GEMM_CLUSTER_SHARES_B": 1},
+         {"EPSERVE_GEMM_SWAP_TAILS": 1},
+         {"EPSERVE_GEMM_SWAP_TAILS": 1, "EPSERVE_GEMM_SWAP_STEP": 32},
+         {"EPSERVE_GEMM_BN": 128},
+         SPLIT_K]
+GEMM2_ONLY = ("EPSERVE_GEMM_BN", "EPSERVE_GEMM_SPLIT_K")  # the kernel refuses them with SwiGLU (static_assert)
+# Split K's own shapes (rows per expert, N, K) beside the default one: more tiles than SMs
+# (81 m-tiles x 5 column tiles, the last one 64 wide) with an odd count of k-slices (7, split
+# 3 + 4), and one k-slice (not split: the build runs whole tiles).
+SPLIT_K_SHAPES = [(RAGGED * 3, 1088, 448), (RAGGED, 320, 64)]
 
 
-@pytest.mark.parametrize("knob,swiglu", [(k, s) for k in _BOTH_GEMMS for s in (False, True)]
-                         + [(k, False) for k in _GEMM2_ONLY])
-def test_build_knobs_give_the_same_bits(knob, swiglu, monkeypatch):
-    """The wgmma GEMM's compile-time knobs change how tiles are fed and computed (CTA pairs
-    sharing A or B by multicast, or single CTAs; partial m-tiles with A and B swapped; tiles
-    128 columns wide instead of 256), never
-    the result: every build equals the default one bit for bit, on every tail width, on
-    experts whose last CTA pair has rows for one CTA only, and on a column count that leaves
-    the last CTA pair half empty."""
-    import cupy
+def _knob_cases():
+    for knob in KNOBS:
+        for swiglu in (False, True):
+            if not (swiglu and any(k in knob for k in GEMM2_ONLY)):
+                yield pytest.param(knob, swiglu, None, id="+".join(f"{k}={v}" for k, v in knob.items()) +
+                                   ("-gemm1" if swiglu else "-gemm2"))
+    for rows, N, K in SPLIT_K_SHAPES:
+        yield pytest.param(SPLIT_K, False, (rows, N, K), id=f"EPSERVE_GEMM_SPLIT_K=2-gemm2-{len(rows)}x{N}x{K}")
 
-    from epserve.ffn import gemm
+
+def _knob_variant(monkeypatch, base: str, knob: dict) -> str:
     from epserve.runtime import kernels
 
-    base = "gemm1_wgmma_swiglu" if swiglu else "gemm_wgmma_null"
     source, defines = kernels.VARIANTS[base]
     name = f"{base}+" + "+".join(f"{k}={v}" for k, v in knob.items())
     monkeypatch.setitem(kernels.VARIANTS, name, (source, {**defines, **knob}))
+    return name
+
+
+@pytest.mark.parametrize("knob,swiglu,shape", _knob_cases())
+def test_build_knobs_give_the_same_bits(knob, swiglu, shape, monkeypatch):
+    """The wgmma GEMM's compile-time knobs change how tiles are fed and computed (CTA pairs
+    sharing A or B by multicast, or single CTAs; partial m-tiles with A and B swapped; tiles
+    128 columns wide instead of 256; tiles in two K halves, the second continuing from the
+    first's stored accumulators), never the result: every build equals the default one bit
+    for bit, on every tail width, on empty experts and 1-row tails, on experts whose last CTA
+    pair has rows for one CTA only, and on a column count that leaves the last CTA pair half
+    empty. GEMM 2's knobs (the 128-wide tile, split K) are not built with SwiGLU at all."""
+    import cupy
+
+    from epserve.ffn import gemm
+
+    base = "gemm1_wgmma_swiglu" if swiglu else "gemm_wgmma_null"
+    name = _knob_variant(monkeypatch, base, knob)
     rng = np.random.default_rng(7)
-    E, M = len(RAGGED), sum(RAGGED)
-    off = cupy.asarray(_offsets(RAGGED))
-    N, K = (192, 128) if swiglu else (320, 192)  # N = 192 + 192 gate/up rows, or 256 + 64 columns
+    rows = shape[0] if shape else RAGGED
+    E, M = len(rows), sum(rows)
+    off = cupy.asarray(_offsets(rows))
+    if shape:
+        N, K = shape[1:]
+    else:
+        N, K = (192, 128) if swiglu else (320, 192)  # N = 192 + 192 gate/up rows, or 256 + 64 columns
     A = cupy.asarray(rng.standard_normal((M, K), np.float32).astype(BF16))
     B_rows = 2 * N if swiglu else N
     B = cupy.asarray((rng.standard_normal((E, B_rows, K), np.float32) / np.sqrt(K)).astype(BF16))
     want = cupy.full((M, N), np.nan, BF16)
     got = cupy.full((M, N), np.nan, BF16)
     gemm._wgmma_gemm(base, A, B, E * B_rows, want, off, E, N, K, gemm._NO_PEERS, 0)
-    gemm._wgmma_gemm(name, A, B, E * B_rows, got, off, E, N, K, gemm._NO_PEERS, 0)
+    split = knob is SPLIT_K
+    gemm._wgmma_gemm(name, A, B, E * B_rows, got, off, E, N, K, gemm._NO_PEERS, 0,
+                     split_policy=tiles.ALWAYS if split else tiles.BY_RULE)
     assert not np.isnan(cupy.asnumpy(want).astype(np.float32)).any(), "the default build left elements unwritten"
+    assert np.array_equal(bf16_bits(got), bf16_bits(want))
+    if split:  # the build ran its tiles in halves, except where K is one k-slice
+        record = gemm.split_k_record()
+        assert record["parts"] == (2 if K >= 128 else 1) and record["error"] == 0, record
+
+
+def test_split_k_launches_back_to_back_and_graph_replays(monkeypatch):
+    """Split K's flags are never reset: each holds the epoch of the launch that set it, and the
+    kernel's last CTA advances the epoch. So launches queued back to back on one stream, and
+    replays of a captured CUDA graph between eager launches on the capture stream, must each
+    equal the default build on their own inputs (a second half that took a stale flag would
+    continue from the previous launch's accumulators), the epoch must count every launch and
+    no wait may have timed out. More tiles than SMs, ragged rows, 7 k-slices (3 + 4)."""
+    import cupy
+
+    from epserve.ffn import gemm
+
+    name = _knob_variant(monkeypatch, "gemm_wgmma_null", SPLIT_K)
+    rng = np.random.default_rng(12)
+    rows, N, K = SPLIT_K_SHAPES[0]
+    E, M = len(rows), sum(rows)
+    off = cupy.asarray(_offsets(rows))
+    B = cupy.asarray((rng.standard_normal((E, N, K), np.float32) / np.sqrt(K)).astype(BF16))
+    inputs = [cupy.asarray(rng.standard_normal((M, K), np.float32).astype(BF16)) for _ in range(6)]
+
+    def launch(variant, A, C):
+        gemm._wgmma_gemm(variant, A, B, E * N, C, off, E, N, K, gemm._NO_PEERS, 0, split_policy=tiles.ALWAYS)
+
+    want = []
+    for A in inputs:
+        C = cupy.full((M, N), np.nan, BF16)
+        launch("gemm_wgmma_null", A, C)
+        want.append(bf16_bits(C))
+    cupy.cuda.Device().synchronize()  # the inputs, made on the default stream, which the next one does not follow
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        # Two launches queued back to back, no host sync between them.
+        got = [cupy.full((M, N), np.nan, BF16) for _ in range(2)]
+        launch(name, inputs[0], got[0])
+        launch(name, inputs[1], got[1])
+        stream.synchronize()
+        for i in range(2):
+            assert np.array_equal(bf16_bits(got[i]), want[i]), f"back-to-back launch {i}"
+        state = gemm._SPLIT_BUFFERS[(cupy.cuda.runtime.getDevice(), stream.ptr)][1]
+        epoch0 = int(state[0])
+        assert epoch0 == 2, f"two launches advanced the epoch to {epoch0}"
+
+        # A graph of one launch over A_g -> C_g, captured after the eager launches above
+        # (the per-stream buffers exist), replayed 3 times on new inputs, with an eager launch
+        # on the same stream (same flags) between the replays.
+        A_g, C_g = cupy.empty((M, K), BF16), cupy.full((M, N), np.nan, BF16)
+        A_g.view(np.uint16)[...] = inputs[2].view(np.uint16)
+        stream.begin_capture()
+        try:
+            launch(name, A_g, C_g)
+        finally:
+            graph = stream.end_capture()
+        eager = cupy.full((M, N), np.nan, BF16)
+        for r, i in enumerate((2, 3, 4)):
+            A_g.view(np.uint16)[...] = inputs[i].view(np.uint16)
+            C_g.fill(np.nan)
+            graph.launch(stream=stream)
+            stream.synchronize()
+            assert np.array_equal(bf16_bits(C_g), want[i]), f"graph replay {r}"
+            eager.fill(np.nan)
+            launch(name, inputs[5 - r % 2], eager)
+            stream.synchronize()
+            assert np.array_equal(bf16_bits(eager), want[5 - r % 2]), f"eager launch after replay {r}"
+        host = cupy.asnumpy(state[:4])
+        assert host[0] == epoch0 + 6, f"6 launches after the first two, epoch {host[0]} (was {epoch0})"
+        assert host[1] == 0, f"a second half's wait timed out (tile {host[2]})"
+        assert host[3] == 2, "the launches ran whole tiles"
+
+
+@pytest.mark.parametrize("waves", [1.2, 2.0, 2.2, 4.2, 4.9, 5.4])
+def test_split_k_rule_splits_where_the_host_mirror_says(waves):
+    """GEMM 2's shipped split build, by rule: the kernel splits a launch's tiles exactly where
+    tiles.split_k_parts (the host's mirror of split_parts) says, from the exact tile count,
+    and never beyond the workspace's room (5.4 waves), with the default build's bits either
+    way. Experts of 128 rows (one m-tile each) over 8 column tiles, K of 8 k-slices."""
+    import cupy
+
+    from epserve.ffn import gemm
+    from epserve.runtime.launch import sm_count
+
+    ctas = sm_count(cupy.cuda.runtime.getDevice())
+    N, K = 2048, 512
+    E = max(1, round(waves * ctas / (N // 256)))
+    rows = [128] * E
+    M = sum(rows)
+    rng = np.random.default_rng(int(waves * 10))
+    off = cupy.asarray(_offsets(rows))
+    A = cupy.asarray(rng.standard_normal((M, K), np.float32).astype(BF16))
+    B = cupy.asarray((rng.standard_normal((E, N, K), np.float32) / np.sqrt(K)).astype(BF16))
+    want, got = cupy.full((M, N), np.nan, BF16), cupy.full((M, N), np.nan, BF16)
+    gemm._wgmma_gemm("gemm_wgmma_null", A, B, E * N, want, off, E, N, K, gemm._NO_PEERS, 0)
+    gemm._wgmma_gemm("gemm_wgmma_null_split", A, B, E * N, got, off, E, N, K, gemm._NO_PEERS, 0,
+                     split_policy=tiles.BY_RULE)
+    record = gemm.split_k_record()
+    expected = tiles.split_k_parts(E * (N // 256), ctas, K // 64, 2, tiles.room_tiles(ctas), tiles.BY_RULE)
+    assert record["parts"] == expected and record["error"] == 0, (record, expected, E)
     assert np.array_equal(bf16_bits(got), bf16_bits(want))

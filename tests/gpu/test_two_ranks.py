@@ -8,6 +8,8 @@ two, with one GPU each:
   check_graph.py --fp8  the graph with FP8 experts
   check_replay.py   forward's replayed launches == launches built anew, bitwise, across token counts and weights (issue 13)
   check_replay.py --fp8  the same with FP8 experts
+and check_service, check_graph and check_replay once more with GEMM 2's split build forced
+(EPSERVE_GEMM2_SPLIT_K=always): its workspace and flags under forward, graphs and replays.
 """
 
 import json
@@ -49,3 +51,16 @@ def test_job_passes_every_case(job, share_gpu):
     # (NCCL refuses that), NCCL otherwise. A record without one fails here.
     expected = "ipc" if share_gpu else "nccl"
     assert [r.get("transport") for r in results] == [expected] * len(results), results
+
+
+@pytest.mark.parametrize("job", ["check_service.py", "check_graph.py", "check_replay.py"])
+def test_job_passes_with_gemm2_split_in_k_halves(job, monkeypatch):
+    """GEMM 2's split build (epserve/ffn/tiles.py) chooses itself only at shapes too large for
+    these jobs (K >= 4096 and few waves); forced, every tile of every GEMM 2 runs in two K
+    halves, fused and unfused, eager, captured and replayed. Its bits equal the default
+    build's (tests/gpu/test_gemm_swiglu.py), so every bitwise oracle of the jobs holds as is."""
+    monkeypatch.setenv("EPSERVE_GEMM2_SPLIT_K", "always")
+    proc, results, planned = run_job(job, share_gpu=True)
+    failures = [r for r in results if not r["ok"]]
+    assert proc.returncode == 0 and not failures, proc.stdout[-6000:] + proc.stderr[-6000:]
+    assert planned and len(results) == 2 * planned[0], proc.stdout[-3000:]
