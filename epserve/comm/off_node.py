@@ -414,22 +414,11 @@ def agree_carrier(comm, layout: NodeLayout) -> str | None:
     """Collective, at setup, before any CUDA call: None on one node, else the off-node carrier
     EPSERVE_OFFNODE_CARRIER names, the same on every rank, or ConfigError on every rank."""
     from epserve.comm.carriers import CARRIER_ENV, carrier_name
-    from epserve.errors import ConfigError
+    from epserve.comm.mpi import agree_choice
 
     if layout.nodes == 1:
         return None
-    try:
-        name, error = carrier_name(), None
-    except ConfigError as exc:
-        name, error = None, str(exc)
-    seen = comm.allgather((name, error))
-    bad = [(r, e) for r, (_, e) in enumerate(seen) if e]
-    if bad:
-        raise ConfigError("; ".join(f"rank {r}: {e}" for r, e in bad))
-    names = {n for n, _ in seen}
-    if len(names) > 1:
-        raise ConfigError(f"the ranks name different off-node carriers ({CARRIER_ENV}): {[n for n, _ in seen]}")
-    return names.pop()
+    return agree_choice(comm, carrier_name, CARRIER_ENV, "off-node carriers")
 
 
 def make_off_node(comm, group, signals, layout: NodeLayout, carrier: str | None, *, num_experts: int, top_k: int,

@@ -54,20 +54,11 @@ def sizes_name() -> str:
 def agree_sizes(comm, nodes: int) -> str | None:
     """Collective, at setup, before any CUDA call: None on one node, else the sizes mode
     EPSERVE_OFFNODE_SIZES names, the same on every rank, or ConfigError on every rank."""
+    from epserve.comm.mpi import agree_choice
+
     if nodes == 1:
         return None
-    try:
-        name, error = sizes_name(), None
-    except ConfigError as exc:
-        name, error = None, str(exc)
-    seen = comm.allgather((name, error))
-    bad = [(r, e) for r, (_, e) in enumerate(seen) if e]
-    if bad:
-        raise ConfigError("; ".join(f"rank {r}: {e}" for r, e in bad))
-    names = {n for n, _ in seen}
-    if len(names) > 1:
-        raise ConfigError(f"the ranks name different off-node sizes ({SIZES_ENV}): {[n for n, _ in seen]}")
-    return names.pop()
+    return agree_choice(comm, sizes_name, SIZES_ENV, "off-node sizes")
 
 
 @dataclass(frozen=True)

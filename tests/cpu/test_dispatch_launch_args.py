@@ -287,9 +287,9 @@ class Called:
         Called.calls.append((self, grid, block, args, shared_mem))
 
 
-def test_off_node_launches_match_their_kernels(monkeypatch, tmp_path):
-    """The launches around the off-node carrier and the IPC test carrier's (cuda/comm/staging.cu)."""
-    from epserve.comm import carriers
+def bare_off_node(monkeypatch, tmp_path):
+    """An OffNode of rank 1 of two nodes of 2, made without a GPU, whose kernel calls are kept
+    (Called), and the staging module's PTX."""
     from epserve.comm import off_node as off_mod
     from epserve.comm.topology import NodeLayout
 
@@ -304,6 +304,14 @@ def test_off_node_launches_match_their_kernels(monkeypatch, tmp_path):
     o.plan = off_mod.OffNodePlan(NodeLayout(4, 2), 1, E, K, H, H, T)
     o.rank, o.world = 1, 4
     o.signals = types.SimpleNamespace(local=lambda offset: 0x3000 + offset)
+    return o, staging_ptx
+
+
+def test_off_node_launches_match_their_kernels(monkeypatch, tmp_path):
+    """The launches around the off-node carrier and the IPC test carrier's (cuda/comm/staging.cu)."""
+    from epserve.comm import carriers
+
+    o, staging_ptx = bare_off_node(monkeypatch, tmp_path)
     o.carrier = types.SimpleNamespace(exchange=lambda sends, recvs, status=None: None)
     o._dispatch_staging = o._combine_staging = types.SimpleNamespace(ptr=0x4000)
     o._landing = types.SimpleNamespace(ptr=0x5000)
@@ -338,22 +346,11 @@ def test_compact_land_launch_matches_its_kernel(monkeypatch, tmp_path):
     """EPSERVE_OFFNODE_SIZES=host: the combine's carrier group at the latest dispatch's sizes,
     then the land from compact return blocks, whose arguments match its kernel; without
     a direct dispatch before it, refused."""
-    from epserve.comm import off_node as off_mod
     from epserve.comm.off_node_sizes import OffNodeSizes
-    from epserve.comm.topology import NodeLayout
 
-    monkeypatch.setenv("EPSERVE_CACHE_DIR", str(tmp_path))
-    source, defines = kernels.VARIANTS["staging"]
-    staging_ptx = build.compile_source(source, defines).ptx.read_text()
-    monkeypatch.setattr(kernels, "function", lambda module, name: Called(name))
-    monkeypatch.setattr(off_mod, "i32", by_value)
-    monkeypatch.setattr(off_mod, "u64", lambda v: by_value(v, np.uint64))
-    Called.calls = []
+    o, staging_ptx = bare_off_node(monkeypatch, tmp_path)
+    o.sizes = "host"
     groups = []
-    o = off_mod.OffNode.__new__(off_mod.OffNode)
-    o.plan = off_mod.OffNodePlan(NodeLayout(4, 2), 1, E, K, H, H, T)
-    o.rank, o.world, o.sizes = 1, 4, "host"
-    o.signals = types.SimpleNamespace(local=lambda offset: 0x3000 + offset)
     o.carrier = types.SimpleNamespace(exchange=lambda sends, recvs, status=None: groups.append((sends, recvs)))
     o._combine_staging = types.SimpleNamespace(ptr=0x4000)
     o._landing = types.SimpleNamespace(ptr=0x5000)
