@@ -7,8 +7,8 @@ exactly. The kernels (cuda/comm/staging.cu) compute the same formulas."""
 import numpy as np
 import pytest
 
-from epserve.comm.off_node import OffNodePlan
 from epserve.comm import off_node_sizes as sizes_mod
+from epserve.comm.off_node import OffNodePlan
 from epserve.comm.off_node_sizes import SIZES_ENV, agree_sizes, sizes_from_count_rows, sizes_name
 from epserve.comm.topology import NodeLayout
 from epserve.errors import ConfigError
