@@ -8,6 +8,11 @@
 //                                    staging (a copy of this rank's recv shape) in a landing
 //                                    block: slot (t, j) of an off-node owner into recv, and
 //                                    arrive[owner] += its 64-column units
+//   epserve_off_node_return_slots    sizes through the host (EPSERVE_OFFNODE_SIZES=host): the
+//                                    src_info the owner's sink is given, each row bound
+//                                    off-node written as its position in its home's compact
+//                                    return block (epserve/comm/off_node_sizes.py)
+//   epserve_off_node_combine_land_compact   the land, from compact return blocks
 //   epserve_ipc_carrier_exchange     the IPC TEST carrier: one group of "sends" and "recvs"
 //                                    between ranks that share one GPU (or one NVLink domain),
 //                                    imitating NCCL's grouped send/recv with device-side flags
@@ -16,6 +21,7 @@
 // block index off_node_block(s) = s < first rank of r's node ? s : s - R (common/nodes.cuh).
 #include "common/errors.cuh"
 #include "common/ptx.cuh"
+#include "comm/dispatch_config.cuh"  // EPSERVE_MAX_EXPERTS
 #include "sinks/peer_send_config.cuh"
 
 using namespace epserve;
@@ -53,36 +59,138 @@ extern "C" __global__ void epserve_off_node_counts_landed(unsigned long long* __
 }
 
 // A warp per slot (t, j) of this rank's T tokens whose expert's owner is on another node:
-// the row from that owner's landing block [max_tokens][k][H] (the same slot) into recv, so the
-// reduction reads it where a one-node run has it. Each block counts the units it landed per
-// owner and adds them to arrive[owner] (the reduction's wait, satisfied by stream order
-// anyway). Nothing when the dispatch verdict stopped the call (nothing was staged, nothing is
-// expected).
+// the row from that owner's landing block into recv, so the reduction reads it where a
+// one-node run has it. In capacity blocks [max_tokens][k][H] the row is at the same slot; in
+// compact return blocks (kCompact) at row home[e] + slot_rank[(t, j)] (off_node_sizes.py),
+// home: this rank's count row scanned per owner (home_base). Each block counts the units it
+// landed per owner and adds them to arrive[owner] (the reduction's wait, satisfied by stream
+// order anyway). Nothing when the dispatch verdict stopped the call (nothing was staged,
+// nothing is expected).
 constexpr int kLandThreads = 256;
+
+// Exclusive prefix sums within consecutive segments of `seg` entries of v[0, n) (shared
+// memory, n <= EPSERVE_MAX_EXPERTS), in place; incl: n ints of shared scratch. Every thread
+// of a block of kLandThreads calls it. Hillis-Steele: log2(seg) rounds.
+constexpr int kScanPer = (EPSERVE_MAX_EXPERTS + kLandThreads - 1) / kLandThreads;
+__device__ void segment_exclusive_scan(int* v, int* incl, int n, int seg) {
+  for (int i = threadIdx.x; i < n; i += kLandThreads) incl[i] = v[i];
+  __syncthreads();
+  for (int off = 1; off < seg; off <<= 1) {
+    int add[kScanPer];
+#pragma unroll
+    for (int c = 0; c < kScanPer; ++c) {
+      const int i = threadIdx.x + c * kLandThreads;
+      add[c] = i < n && i % seg >= off ? incl[i - off] : 0;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int c = 0; c < kScanPer; ++c) {
+      const int i = threadIdx.x + c * kLandThreads;
+      if (i < n) incl[i] += add[c];
+    }
+    __syncthreads();
+  }
+  for (int i = threadIdx.x; i < n; i += kLandThreads) v[i] = incl[i] - v[i];
+  __syncthreads();
+}
+
+template <bool kCompact>
+__device__ __forceinline__ void land_rows(const bf16_t* __restrict__ landing, const int* __restrict__ topk_idx,
+                                          const int* __restrict__ slot_rank, const int* __restrict__ home, int T,
+                                          int k, int H, int experts_per_rank, int max_tokens, int rank, int world,
+                                          int R, bf16_t* __restrict__ recv, unsigned long long* __restrict__ arrive,
+                                          int units_per_slot) {
+  __shared__ unsigned int landed[EPSERVE_MAX_WORLD];
+  for (int s = threadIdx.x; s < world; s += blockDim.x) landed[s] = 0;
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const long long slots = static_cast<long long>(T) * k, block_rows = static_cast<long long>(max_tokens) * k;
+  for (long long i = static_cast<long long>(blockIdx.x) * warps + (threadIdx.x >> 5); i < slots;
+       i += static_cast<long long>(gridDim.x) * warps) {
+    const int e = topk_idx[i];
+    if (e < 0) continue;
+    const int s = e / experts_per_rank;
+    if (s >= world || !off_node(s, rank, R)) continue;
+    const long long row = kCompact ? static_cast<long long>(home[e]) + slot_rank[i] : i;
+    if (row < 0 || row >= block_rows) continue;  // only a corrupt plan: never outside the block
+    const long long block = off_node_block(s, rank / R * R, R);
+    warp_copy(reinterpret_cast<uint4*>(recv + i * H),
+              reinterpret_cast<const uint4*>(landing + (block * block_rows + row) * H), H / 8, lane);
+    if (lane == 0) atomicAdd(&landed[s], 1u);
+  }
+  __syncthreads();
+  for (int s = threadIdx.x; s < world; s += blockDim.x)
+    if (landed[s]) atomicAdd(arrive + s, static_cast<unsigned long long>(landed[s]) * units_per_slot);
+}
+
 extern "C" __global__ void __launch_bounds__(kLandThreads)
     epserve_off_node_combine_land(const bf16_t* __restrict__ landing, const int* __restrict__ topk_idx, int T, int k,
                                   int H, int experts_per_rank, int max_tokens, int rank, int world, int R,
                                   bf16_t* __restrict__ recv, unsigned long long* __restrict__ arrive,
                                   int units_per_slot, const int* __restrict__ status) {
   if (call_stopped(status)) return;
-  __shared__ unsigned int landed[EPSERVE_MAX_WORLD];
-  for (int s = threadIdx.x; s < world; s += blockDim.x) landed[s] = 0;
+  land_rows<false>(landing, topk_idx, nullptr, nullptr, T, k, H, experts_per_rank, max_tokens, rank, world, R, recv,
+                   arrive, units_per_slot);
+}
+
+// my_count_row: this rank's count row of the call (E + W + 1 ints); slot_rank: route's, of
+// this call's dispatch [T * k].
+extern "C" __global__ void __launch_bounds__(kLandThreads)
+    epserve_off_node_combine_land_compact(const bf16_t* __restrict__ landing, const int* __restrict__ topk_idx,
+                                          const int* __restrict__ slot_rank, const int* __restrict__ my_count_row,
+                                          int T, int k, int H, int num_experts, int max_tokens, int rank, int world,
+                                          int R, bf16_t* __restrict__ recv, unsigned long long* __restrict__ arrive,
+                                          int units_per_slot, const int* __restrict__ status) {
+  if (call_stopped(status)) return;
+  __shared__ int home[EPSERVE_MAX_EXPERTS], scratch[EPSERVE_MAX_EXPERTS];
+  for (int e = threadIdx.x; e < num_experts; e += kLandThreads) home[e] = __ldcg(my_count_row + e);
   __syncthreads();
-  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-  for (long long i = static_cast<long long>(blockIdx.x) * warps + (threadIdx.x >> 5); i < static_cast<long long>(T) * k;
-       i += static_cast<long long>(gridDim.x) * warps) {
-    const int e = topk_idx[i];
-    if (e < 0) continue;
-    const int s = e / experts_per_rank;
-    if (s >= world || !off_node(s, rank, R)) continue;
-    const long long block = off_node_block(s, rank / R * R, R);
-    warp_copy(reinterpret_cast<uint4*>(recv + i * H),
-              reinterpret_cast<const uint4*>(landing + (block * max_tokens * k + i) * H), H / 8, lane);
-    if (lane == 0) atomicAdd(&landed[s], 1u);
+  segment_exclusive_scan(home, scratch, num_experts, num_experts / world);
+  land_rows<true>(landing, topk_idx, slot_rank, home, T, k, H, num_experts / world, max_tokens, rank, world, R, recv,
+                  arrive, units_per_slot);
+}
+
+// The owner's side of the compact return (EPSERVE_OFFNODE_SIZES=host), after the dispatch:
+// sink_src_info[m] = src_info[m] for the M dispatched rows, except that a row from a rank s of
+// another node names its position q in s's compact return block as a slot (q / k, q % k):
+// q = ret[s][e] + (m - base[s][e]), e the row's local expert, ret[s][*] s's count row's
+// entries for this rank's experts scanned (ret_base). Then the peer sink and the IPC push,
+// unchanged, store the row at row q of s's block in the combine staging. A thread per row.
+// table: this rank's count table [W][E + W + 1] (only the other nodes' rows are read); base:
+// the layout's [W][E_loc]. Nothing when the verdict stopped the call (no rows).
+extern "C" __global__ void __launch_bounds__(kLandThreads)
+    epserve_off_node_return_slots(const int* __restrict__ src_info, const int* __restrict__ expert_offsets,
+                                  const int* __restrict__ base, const int* __restrict__ table, int num_experts,
+                                  int top_k, int max_tokens, int rank, int world, int R,
+                                  int* __restrict__ sink_src_info, const int* __restrict__ status) {
+  if (call_stopped(status)) return;
+  __shared__ int ret[EPSERVE_MAX_EXPERTS], scratch[EPSERVE_MAX_EXPERTS];
+  __shared__ int offsets[EPSERVE_MAX_EXPERTS / 2 + 1];  // at least two ranks: E_loc <= E / 2
+  const int E = num_experts, W = world, e_loc = E / W, row = E + W + 1;
+  for (int i = threadIdx.x; i < E; i += kLandThreads) {
+    const int s = i / e_loc;
+    ret[i] = off_node(s, rank, R) ? __ldcg(table + static_cast<long long>(s) * row + rank * e_loc + i % e_loc) : 0;
   }
+  for (int e = threadIdx.x; e <= e_loc; e += kLandThreads) offsets[e] = expert_offsets[e];
   __syncthreads();
-  for (int s = threadIdx.x; s < world; s += blockDim.x)
-    if (landed[s]) atomicAdd(arrive + s, static_cast<unsigned long long>(landed[s]) * units_per_slot);
+  segment_exclusive_scan(ret, scratch, E, e_loc);
+  const int M = offsets[e_loc], block_rows = max_tokens * top_k;
+  for (int m = blockIdx.x * kLandThreads + threadIdx.x; m < M; m += gridDim.x * kLandThreads) {
+    const int info = src_info[m];
+    const int s = (info >> 24) & 0x7f;
+    int out = info;
+    if (s < W && off_node(s, rank, R)) {
+      int lo = 0, hi = e_loc - 1;  // the row's local expert: the last e with offsets[e] <= m
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (offsets[mid] <= m) lo = mid;
+        else hi = mid - 1;
+      }
+      const int q = ret[s * e_loc + lo] + (m - base[s * e_loc + lo]);
+      if (q >= 0 && q < block_rows) out = (s << 24) | ((q / top_k) << 4) | (q % top_k);  // else: a failed call
+    }
+    sink_src_info[m] = out;
+  }
 }
 
 // ---- The IPC test carrier (epserve/comm/carriers.py, IpcTestCarrier) -------------------------

@@ -93,38 +93,51 @@ class Combiner:
         gemm.run(gemm2_specs("peer", act, w2, None, plan.expert_offsets, self.experts_per_rank, self.hidden,
                              intermediate, cfg, -1, rows=rows))
 
+    def _sink_src_info(self, plan, after_direct: bool):
+        """What the peer sink and the IPC push read as src_info: the plan's, or across nodes
+        with EPSERVE_OFFNODE_SIZES=host after a direct dispatch, the copy in which rows bound
+        off-node name their compact return positions (epserve/comm/off_node_sizes.py)."""
+        if self.off_node is not None and self.off_node.compact_returns(after_direct):
+            return self.off_node.sink_src_info
+        return plan.src_info
+
     def fused(self, act, w2, plan: DevicePlan, topk_idx, topk_weights, intermediate: int, out=None, status=None,
-              armed: bool = False):
+              armed: bool = False, after_direct: bool = False):
         """GEMM 2 whose epilogue writes every row into its home rank's recv; then the reduction.
         act and w2 as for gemm_only: either dtype's GEMM 2 hands the sink the same bf16 tiles.
         armed: the direct dispatch's layout armed this combine already (DirectDispatcher.enqueue's
-        arm_combine), so no arm launch here."""
+        arm_combine), so no arm launch here. after_direct: the rows came by the direct
+        dispatch of this call (across nodes with sizes "host": compact return blocks)."""
         self.epoch += 1
-        cfg = self.send_config(plan.src_info, status)
+        cfg = self.send_config(self._sink_src_info(plan, after_direct), status)
         # The rows this rank expects back-of-envelope, what it sent (T x k): the GEMM's build
         # (epserve/ffn/tiles.py) is chosen by them; act is capacity-sized.
         rows = topk_idx.shape[0] * topk_idx.shape[1]
         specs = gemm2_specs("peer", act, w2, None, plan.expert_offsets, self.experts_per_rank, self.hidden,
                             intermediate, cfg, 0, rows=rows)
         return self._reduce(topk_idx, topk_weights, out, wait=True, status=status, before=specs, key="fused",
-                            armed=armed)
+                            armed=armed, after_direct=after_direct)
 
-    def stand_in(self, status=None, off_node: bool = True) -> None:
+    def stand_in(self, status=None, off_node: bool = True, after_direct: bool = False) -> None:
         """This rank's part of a combine it has no tokens for (its input was rejected): the
         epoch moves on with the others'. off_node: the others' combine crosses nodes through
-        the off-node carrier (every path but the NCCL combine), so this rank's part does too."""
+        the off-node carrier (every path but the NCCL combine), so this rank's part does too.
+        after_direct: as fused's (the others' combine returns compact blocks, so does this)."""
         self.epoch += 1
         if self.off_node is not None and off_node:  # the carrier's groups are collective: take part with no tokens
-            self.off_node.exchange_combine(None, 0, self.top_k, self.hidden, self.experts_per_rank, self.recv, status)
+            self.off_node.exchange_combine(None, 0, self.top_k, self.hidden, self.experts_per_rank, self.recv, status,
+                                           compact=self.off_node.compact_returns(after_direct))
         self._launches.run("stand-in", [launchers.release_recv_spec(self._ready_table, self.rank)])
 
-    def unfused(self, C, plan: DevicePlan, topk_idx, topk_weights, out=None, status=None):
-        """C [M, H] (GEMM 2 with the null sink) -> recv slots by the transport -> the reduction."""
+    def unfused(self, C, plan: DevicePlan, topk_idx, topk_weights, out=None, status=None, after_direct: bool = False):
+        """C [M, H] (GEMM 2 with the null sink) -> recv slots by the transport -> the reduction.
+        after_direct: as fused's."""
         self.epoch += 1
         M, row_bytes = plan.num_recv_rows, self.hidden * 2
         if self.transport == "ipc" or not hasattr(plan, "host"):  # no host plan: C's rows by the IPC push
-            row_moves.push_rows_to_peers(C, M, self.hidden, self.send_config(plan.src_info, status))
-            return self._reduce(topk_idx, topk_weights, out, wait=True, status=status)
+            row_moves.push_rows_to_peers(C, M, self.hidden,
+                                         self.send_config(self._sink_src_info(plan, after_direct), status))
+            return self._reduce(topk_idx, topk_weights, out, wait=True, status=status, after_direct=after_direct)
         h = plan.host
         packed = cupy.empty_like(C)
         row_moves.copy_rows(packed, C, None, plan.combine_pack_idx, M, row_bytes)
@@ -143,10 +156,11 @@ class Combiner:
         return self._reduce(topk_idx, topk_weights, out, wait=False, status=nccl_path.status)
 
     def _reduce(self, topk_idx, topk_weights, out, *, wait: bool, status=None, before=(), key="reduce",
-                armed: bool = False):
+                armed: bool = False, after_direct: bool = False):
         """The reduction into out (made when None), after the launches in `before`; every
         launch of the call goes through one prepared LaunchSequence entry per (key, T). A
-        waiting reduction arms its expected arrivals first, unless the dispatch `armed` them."""
+        waiting reduction arms its expected arrivals first, unless the dispatch `armed` them.
+        after_direct: as fused's."""
         T = topk_idx.shape[0]
         if out is None:
             out = cupy.empty((T, self.hidden), self.dtype)
@@ -158,7 +172,7 @@ class Combiner:
         if wait and self.off_node is not None:  # across nodes: the staged rows cross, and land, first
             self._launches.run((key, wait, T, armed, "before"), specs)
             self.off_node.exchange_combine(topk_idx, T, self.top_k, self.hidden, self.experts_per_rank, self.recv,
-                                           status)
+                                           status, compact=self.off_node.compact_returns(after_direct))
             specs = []
         specs.append(launchers.combine_reduce_spec(self.recv, topk_idx, topk_weights, out, T, self.top_k, self.hidden,
                                                    self.world, s.local(sig.ARRIVE), s.local(sig.EXPECTED),

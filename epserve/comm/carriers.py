@@ -12,7 +12,8 @@ Within a group, the sends to one peer and that peer's receives from this rank ar
 the order they are listed (as NCCL matches them). A Recv also names where the matching send's
 bytes lie in the peer's staging (`staging`, `peer_offset`): NCCL ignores that, the IPC test
 carrier reads there. Every rank makes the same groups in the same order, each with a fixed
-size (the counts stay on the device), and no host waits.
+size (the counts stay on the device), and no host waits; or, with EPSERVE_OFFNODE_SIZES=host,
+with the sizes both ends computed from the same count rows (epserve/comm/off_node_sizes.py).
 
 Two implementations, chosen by EPSERVE_OFFNODE_CARRIER (the same on every rank):
 
@@ -110,6 +111,7 @@ class NcclCarrier:
 CARRIER_RECV = np.dtype([("peer", np.uint64), ("src", np.uint64), ("dst", np.uint64), ("bytes", np.uint64)])
 _FLAG_BYTES = 2 * MAX_WORLD * 8  # posted[MAX_WORLD], taken[MAX_WORLD] (cuda/comm/staging.cu)
 _IPC_BLOCKS, _IPC_THREADS = 32, 256
+_MAX_GROUPS = 64  # device tables of groups kept; a cleared table's memory returns to the stream-ordered pool
 
 
 class IpcTestCarrier:
@@ -138,6 +140,8 @@ class IpcTestCarrier:
         key = (tuple(sends), tuple(recvs))
         tables = self._groups.get(key)
         if tables is None:
+            if len(self._groups) >= _MAX_GROUPS:  # sized groups (EPSERVE_OFFNODE_SIZES=host) change every call
+                self._groups.clear()
             send_peers = sorted({s.peer for s in sends})
             recv_peers = sorted({r.peer for r in recvs})
             items = np.zeros(max(1, len(recvs)), CARRIER_RECV)

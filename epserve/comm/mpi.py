@@ -254,6 +254,27 @@ def agree(comm, what: str, values: dict) -> None:
     raise exc
 
 
+def agree_choice(comm, read, env: str, what: str):
+    """Collective, needing no GPU: read() on every rank (the name a setting such as an
+    environment variable gives, or ConfigError); returns the name, the same on every rank,
+    or raises ConfigError on every rank with each rank's error, or naming the ranks' choices
+    when they differ (`what` they are, `env` where they come from)."""
+    from epserve.errors import ConfigError
+
+    try:
+        name, error = read(), None
+    except ConfigError as exc:
+        name, error = None, str(exc)
+    seen = comm.allgather((name, error))
+    bad = [(r, e) for r, (_, e) in enumerate(seen) if e]
+    if bad:
+        raise ConfigError("; ".join(f"rank {r}: {e}" for r, e in bad))
+    names = {n for n, _ in seen}
+    if len(names) > 1:
+        raise ConfigError(f"the ranks name different {what} ({env}): {[n for n, _ in seen]}")
+    return names.pop()
+
+
 @contextlib.contextmanager
 def checked(comm, stage: str):
     """Run a block as a collective stage: an exception in it on any rank makes every rank

@@ -36,21 +36,29 @@ their work (staging is rewritten only after the carrier's send of it completed, 
 receiver's landing areas only by its own later carrier calls), so the kernels neither wait
 for them nor signal them.
 
-Sizes are fixed (NCCL's are host arguments and the counts stay on the device), so every block
-travels whole, as the NCCL transport's do: per off-node peer and call, max_tokens token rows
-and their routing, a count row, and for the combine a whole recv copy, max_tokens * k rows
-(padding over the real rows: about W for uniform routing, as the NCCL combine's).
+Sizes. By default (EPSERVE_OFFNODE_SIZES=capacity) they are fixed (NCCL's are host arguments
+and the counts stay on the device), so every block travels whole, as the NCCL transport's do:
+per off-node peer and call, max_tokens token rows and their routing, a count row, and for the
+combine a whole recv copy, max_tokens * k rows (padding over the real rows: about W for
+uniform routing, as the NCCL combine's). With EPSERVE_OFFNODE_SIZES=host the host reads the
+count rows once per dispatch (a wait that overlaps the layout and the move on the GPU, and
+that no CUDA graph can hold) and the carrier moves the routed rows only; the combine returns
+compact blocks (epserve/comm/off_node_sizes.py).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import cupy
+import numpy as np
 
 from epserve.comm import signals as sig
 from epserve.comm.carriers import Recv, Send
+from epserve.comm.off_node_sizes import OffNodeSizes, sizes_from_count_rows
 from epserve.comm.topology import NodeLayout
+from epserve.errors import PeerTimeoutError
 from epserve.runtime import kernels
 from epserve.runtime.kernel_structs import i32, u64
 
@@ -169,44 +177,110 @@ class OffNodePlan:
         recvs = [Recv(s, count_table + s * n, n, staging, 0) for s in self.peers]
         return sends, recvs
 
-    def rows_group(self, staging, tokens: int, meta: int):
+    def rows_group(self, staging, tokens: int, meta: int, sizes: OffNodeSizes | None = None):
         """The token and routing blocks: this rank's staging blocks to their ranks, theirs into
-        this rank's token regions and routing at their blocks (tokens, then routing, per peer)."""
+        this rank's token regions and routing at their blocks (tokens, then routing, per peer).
+        With `sizes` (EPSERVE_OFFNODE_SIZES=host) only the routed rows at each block's start,
+        and no transfer of zero bytes (both ends leave out the same ones)."""
+        tok_row, meta_row = self.hidden * 2, self.meta_len * 4
         sends, recvs = [], []
         for d in self.peers:
             p = self.block(d)
-            sends += [Send(d, staging, self.tokens_offset(p), self.tokens_block_bytes),
-                      Send(d, staging, self.meta_offset(p), self.meta_block_bytes)]
+            n = self.max_tokens if sizes is None else sizes.tokens_to[d]
+            sends += [Send(d, staging, self.tokens_offset(p), n * tok_row),
+                      Send(d, staging, self.meta_offset(p), n * meta_row)]
         for s in self.peers:
             q = self.block_of(s, self.rank)  # this rank's block in s's staging
-            recvs += [Recv(s, tokens + s * self.tokens_block_bytes, self.tokens_block_bytes, staging,
-                           self.tokens_offset(q)),
-                      Recv(s, meta + s * self.meta_block_bytes, self.meta_block_bytes, staging, self.meta_offset(q))]
-        return sends, recvs
+            n = self.max_tokens if sizes is None else sizes.tokens_from[s]
+            recvs += [Recv(s, tokens + s * self.tokens_block_bytes, n * tok_row, staging, self.tokens_offset(q)),
+                      Recv(s, meta + s * self.meta_block_bytes, n * meta_row, staging, self.meta_offset(q))]
+        return _without_empty(sends, recvs, sizes)
 
-    def combine_group(self, staging, landing: int):
+    def combine_group(self, staging, landing: int, sizes: OffNodeSizes | None = None):
         """Each off-node home's recv copy to it; each off-node owner's copy of this rank's recv
-        into its landing block."""
-        n = self.combine_block_bytes
-        sends = [Send(d, staging, self.block(d) * n, n) for d in self.peers]
-        recvs = [Recv(s, landing + self.block(s) * n, n, staging, self.block_of(s, self.rank) * n)
+        into its landing block. With `sizes`: each block's compact return rows only (its
+        start), no transfer of zero bytes."""
+        n, row = self.combine_block_bytes, self.combine_hidden * 2
+        cap = self.max_tokens * self.top_k
+        sends = [Send(d, staging, self.block(d) * n, (cap if sizes is None else sizes.returns_to[d]) * row)
+                 for d in self.peers]
+        recvs = [Recv(s, landing + self.block(s) * n, (cap if sizes is None else sizes.returns_from[s]) * row,
+                      staging, self.block_of(s, self.rank) * n)
                  for s in self.peers]
+        return _without_empty(sends, recvs, sizes)
+
+
+def _without_empty(sends, recvs, sizes):
+    """A sized group without its transfers of zero bytes (the capacity groups have none)."""
+    if sizes is None:
         return sends, recvs
+    return [x for x in sends if x.nbytes], [x for x in recvs if x.nbytes]
+
+
+# The host's wait for a call's count rows (EPSERVE_OFFNODE_SIZES=host), in wait_timeout_s: the
+# copy follows count + publish and the count rows' carrier group, each of whose waits is
+# bounded by wait_timeout_s on the device (the IPC test carrier's), behind the previous work
+# on the stream (the previous call's reduction, bounded too).
+HOST_WAIT_TIMEOUTS = 4
 
 
 class OffNode:
     """One rank's off-node state: the plan, the carrier, the staging and landing buffers, and
     the launches around the carrier. Made collectively at setup (allocations in rank-agreed
-    order) when the ranks span more than one node."""
+    order) when the ranks span more than one node.
 
-    def __init__(self, plan: OffNodePlan, carrier, signals, wait_timeout_s: float):
+    sizes: "capacity" (fixed blocks, no host wait) or "host" (EPSERVE_OFFNODE_SIZES=host: the
+    count rows read on the host once per dispatch, then transfers of the routed rows only;
+    epserve/comm/off_node_sizes.py)."""
+
+    sizes = "capacity"
+    _last = None  # OffNodeSizes of the latest direct dispatch (sizes "host")
+
+    def __init__(self, plan: OffNodePlan, carrier, signals, wait_timeout_s: float, sizes: str = "capacity",
+                 max_recv_rows: int = 0):
         self.plan, self.carrier, self.signals = plan, carrier, signals
         self.rank, self.world = plan.rank, plan.world
         self.timeout_ns = int(wait_timeout_s * 1e9)
+        self.wait_timeout_s = wait_timeout_s
+        self.sizes = sizes
         self._dispatch_staging = carrier.staging(plan.dispatch_staging_bytes)
         self._combine_staging = carrier.staging(plan.combine_staging_bytes)
         self._landing = cupy.cuda.alloc(max(16, plan.combine_staging_bytes))
         self._groups = {}
+        if sizes == "host":
+            table_bytes = self.world * plan.count_row_ints * 4
+            self._counts_pinned = cupy.cuda.alloc_pinned_memory(table_bytes)
+            self._counts_host = np.frombuffer(self._counts_pinned, np.int32, self.world * plan.count_row_ints
+                                              ).reshape(self.world, plan.count_row_ints)
+            self._counts_copied = cupy.cuda.Event(block=False, disable_timing=True)
+            # the src_info GEMM 2's sink and the IPC push are given: off-node rows as their
+            # compact return positions (epserve_off_node_return_slots)
+            self.sink_src_info = cupy.zeros(max(1, max_recv_rows), np.int32)
+        self._dispatch = None  # the direct dispatcher's buffers (bind_dispatch)
+
+    @property
+    def host_sizes(self) -> bool:
+        return self.sizes == "host"
+
+    def bind_dispatch(self, count_table: int, tokens: int, meta: int, slot_rank) -> None:
+        """The direct dispatcher's count table, token regions and routing (addresses) and
+        route's slot_rank, which the sized transfers and the compact land read."""
+        self._dispatch = (count_table, tokens, meta, slot_rank)
+
+    # ---- the carrier groups (also for launch/jobs/time_off_node.py) ----------------------
+    def count_group(self):
+        return self.plan.count_group(self._dispatch_staging, self._dispatch[0])
+
+    def rows_group(self, sizes: OffNodeSizes | None = None):
+        return self.plan.rows_group(self._dispatch_staging, self._dispatch[1], self._dispatch[2], sizes)
+
+    def combine_group(self, sizes: OffNodeSizes | None = None):
+        return self.plan.combine_group(self._combine_staging, int(self._landing.ptr), sizes)
+
+    @property
+    def last_sizes(self) -> OffNodeSizes | None:
+        """The sizes of the latest direct dispatch (sizes "host"), else None."""
+        return self._last
 
     # ---- the staging, for the dispatcher's and the combiner's kernel structs
     def dispatch_staging(self) -> dict:
@@ -228,12 +302,60 @@ class OffNode:
         fn((1,), (32,), (u64(self.signals.local(sig.COUNT_ARRIVE)), i32(self.rank), i32(self.world), i32(self.plan.R),
                          u64(self.signals.local(sig.ERROR))))
 
-    def exchange_rows(self, tokens: int, meta: int, status) -> None:
-        """After the move kernel: the token and routing blocks cross."""
+    def counts_to_host(self, count_table: int) -> None:
+        """Sizes "host", after exchange_counts: this rank's count table to the host (one small
+        copy, on the stream, and an event); await_sizes waits for it. Only this rank's row and
+        the other nodes' rows are read there: both are on this stream, while this node's
+        ranks' rows arrive by IPC whenever they come."""
+        stream = cupy.cuda.get_current_stream()
+        cupy.cuda.runtime.memcpyAsync(self._counts_pinned.ptr, count_table, self._counts_host.nbytes,
+                                      cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        self._counts_copied.record(stream)
+
+    def await_sizes(self) -> OffNodeSizes:
+        """Sizes "host": wait (bounded) for counts_to_host's copy, then this call's sizes. The
+        GPU goes on meanwhile with what was queued after the copy (the layout, the move)."""
+        deadline = time.monotonic() + HOST_WAIT_TIMEOUTS * self.wait_timeout_s
+        spins = 0
+        while not self._counts_copied.done:
+            if time.monotonic() > deadline:
+                raise PeerTimeoutError(
+                    f"rank {self.rank}: this call's off-node count rows did not reach the host within "
+                    f"{HOST_WAIT_TIMEOUTS * self.wait_timeout_s:g} s (EPSERVE_OFFNODE_SIZES=host): a peer is dead or "
+                    "stuck before its count rows, or the carrier never delivered them")
+            spins += 1
+            if spins > 1000:  # past the first moments, give the CPU back between looks
+                time.sleep(50e-6)
+        p = self.plan
+        self._last = sizes_from_count_rows(self._counts_host, self.rank, p.peers, p.num_experts, p.max_tokens,
+                                           p.top_k)
+        return self._last
+
+    def exchange_rows(self, tokens: int, meta: int, status, sizes: OffNodeSizes | None = None) -> None:
+        """After the move kernel: the token and routing blocks cross, whole, or with `sizes`
+        (await_sizes) the routed rows only."""
+        if sizes is not None:
+            self.carrier.exchange(*self.plan.rows_group(self._dispatch_staging, tokens, meta, sizes), status=status)
+            return
         key = ("rows", tokens, meta)
         if key not in self._groups:
             self._groups[key] = self.plan.rows_group(self._dispatch_staging, tokens, meta)
         self.carrier.exchange(*self._groups[key], status=status)
+
+    def return_slots_spec(self, src_info, expert_offsets, base, count_table: int, status) -> tuple:
+        """Sizes "host", after the dispatch: the launch that writes sink_src_info, where each
+        row bound off-node names its compact return position (cuda/comm/staging.cu)."""
+        p = self.plan
+        fn = kernels.function("staging", "epserve_off_node_return_slots")
+        blocks = max(1, min(1024, (src_info.shape[0] + 255) // 256))
+        return (fn, (blocks,), (256,), (src_info, expert_offsets, base, u64(count_table), i32(p.num_experts),
+                                        i32(p.top_k), i32(p.max_tokens), i32(self.rank), i32(self.world), i32(p.R),
+                                        self.sink_src_info, status), 0)
+
+    def compact_returns(self, after_direct: bool) -> bool:
+        """Whether this combine returns compact blocks: sizes "host" and the call's dispatch was
+        the direct one (its count rows reached the host; the NCCL dispatch's never do)."""
+        return self.host_sizes and after_direct
 
     def expand_spec(self, cfg, base, rows, src_info, expert_offsets, blocks: int) -> tuple:
         """The launch that expands the other nodes' rows (cuda/comm/dispatch.cu)."""
@@ -241,28 +363,42 @@ class OffNode:
         return (fn, (blocks,), (256,), (cfg, base, rows, src_info, expert_offsets), 0)
 
     # ---- the combine
-    def exchange_combine(self, topk_idx, T: int, k: int, H: int, experts_per_rank: int, recv, status) -> None:
+    def exchange_combine(self, topk_idx, T: int, k: int, H: int, experts_per_rank: int, recv, status,
+                         compact: bool = False) -> None:
         """After GEMM 2 (or the IPC push): each staged recv copy to its home, then the landing
-        of this rank's slots served on other nodes into recv, counted in arrive."""
-        key = ("combine", int(self._landing.ptr))
-        if key not in self._groups:
-            self._groups[key] = self.plan.combine_group(self._combine_staging, int(self._landing.ptr))
-        self.carrier.exchange(*self._groups[key], status=status)
+        of this rank's slots served on other nodes into recv, counted in arrive. compact
+        (compact_returns): the return blocks hold the routed rows only, in the sizes of the
+        latest direct dispatch, and land by their compact positions."""
+        if compact:
+            if self._last is None:
+                raise RuntimeError("a compact combine before any direct dispatch with EPSERVE_OFFNODE_SIZES=host")
+            self.carrier.exchange(*self.combine_group(self._last), status=status)
+        else:
+            key = ("combine", int(self._landing.ptr))
+            if key not in self._groups:
+                self._groups[key] = self.plan.combine_group(self._combine_staging, int(self._landing.ptr))
+            self.carrier.exchange(*self._groups[key], status=status)
         if T == 0:
             return
-        fn = kernels.function("staging", "epserve_off_node_combine_land")
         blocks = max(1, min(1024, (T * k + 7) // 8))
-        fn((blocks,), (256,), (u64(int(self._landing.ptr)), topk_idx, i32(T), i32(k), i32(H), i32(experts_per_rank),
-                               i32(self.plan.max_tokens), i32(self.rank), i32(self.world), i32(self.plan.R), recv,
-                               u64(self.signals.local(sig.ARRIVE)), i32(H // 64),
-                               status if status is not None else u64(0)))
+        p, landing, status = self.plan, u64(int(self._landing.ptr)), status if status is not None else u64(0)
+        arrive = u64(self.signals.local(sig.ARRIVE))
+        if compact:
+            table, _, _, slot_rank = self._dispatch
+            fn = kernels.function("staging", "epserve_off_node_combine_land_compact")
+            fn((blocks,), (256,), (landing, topk_idx, slot_rank, u64(table + self.rank * p.count_row_ints * 4), i32(T),
+                                   i32(k), i32(H), i32(p.num_experts), i32(p.max_tokens), i32(self.rank),
+                                   i32(self.world), i32(p.R), recv, arrive, i32(H // 64), status))
+            return
+        fn = kernels.function("staging", "epserve_off_node_combine_land")
+        fn((blocks,), (256,), (landing, topk_idx, i32(T), i32(k), i32(H), i32(experts_per_rank),
+                               i32(p.max_tokens), i32(self.rank), i32(self.world), i32(p.R), recv, arrive,
+                               i32(H // 64), status))
 
     def quiesce(self, timeout_s: float) -> bool:
         """close(): wait at most timeout_s for the current stream's work; when it does not end
         (an off-node peer is stuck, and NCCL's waits are not bounded), abort the carrier so
         that NCCL's kernels return. True when the work ended by itself."""
-        import time
-
         event = cupy.cuda.Event(block=False, disable_timing=True)
         event.record()
         deadline = time.monotonic() + timeout_s
@@ -274,35 +410,23 @@ class OffNode:
         return True
 
 
-
-
 def agree_carrier(comm, layout: NodeLayout) -> str | None:
     """Collective, at setup, before any CUDA call: None on one node, else the off-node carrier
     EPSERVE_OFFNODE_CARRIER names, the same on every rank, or ConfigError on every rank."""
     from epserve.comm.carriers import CARRIER_ENV, carrier_name
-    from epserve.errors import ConfigError
+    from epserve.comm.mpi import agree_choice
 
     if layout.nodes == 1:
         return None
-    try:
-        name, error = carrier_name(), None
-    except ConfigError as exc:
-        name, error = None, str(exc)
-    seen = comm.allgather((name, error))
-    bad = [(r, e) for r, (_, e) in enumerate(seen) if e]
-    if bad:
-        raise ConfigError("; ".join(f"rank {r}: {e}" for r, e in bad))
-    names = {n for n, _ in seen}
-    if len(names) > 1:
-        raise ConfigError(f"the ranks name different off-node carriers ({CARRIER_ENV}): {[n for n, _ in seen]}")
-    return names.pop()
+    return agree_choice(comm, carrier_name, CARRIER_ENV, "off-node carriers")
 
 
 def make_off_node(comm, group, signals, layout: NodeLayout, carrier: str | None, *, num_experts: int, top_k: int,
                   hidden: int, combine_hidden: int, max_tokens: int, wait_timeout_s: float, nccl_comm,
-                  shared_gpu: bool):
+                  shared_gpu: bool, sizes: str | None = None, max_recv_rows: int = 0):
     """Collective, at setup: None on one node (carrier None), else this rank's OffNode with
-    that carrier (agree_carrier); ConfigError on every rank when it cannot run here."""
+    that carrier (agree_carrier) and sizes (off_node_sizes.agree_sizes; None: "capacity");
+    ConfigError on every rank when it cannot run here."""
     import socket
 
     from epserve.comm.carriers import make_carrier
@@ -313,4 +437,4 @@ def make_off_node(comm, group, signals, layout: NodeLayout, carrier: str | None,
     impl = make_carrier(carrier, group=group, nccl_comm=nccl_comm, shared_gpu=shared_gpu, hosts_differ=hosts_differ,
                         error_ptr=signals.local(sig.ERROR), timeout_ns=int(wait_timeout_s * 1e9))
     plan = OffNodePlan(layout, comm.Get_rank(), num_experts, top_k, hidden, combine_hidden, max_tokens)
-    return OffNode(plan, impl, signals, wait_timeout_s)
+    return OffNode(plan, impl, signals, wait_timeout_s, sizes or "capacity", max_recv_rows)

@@ -126,6 +126,8 @@ class DirectDispatcher:
         # The launches, prepared once per (T, rejected): a call rewrites only x and topk_idx.
         # launch/jobs/time_dispatch.py sets launches.prepared = False to wrap each kernel.
         self.launches = LaunchSequence()
+        if off_node is not None:  # its sized transfers and compact land read these
+            off_node.bind_dispatch(self._table.ptr, self._tokens.ptr, self._meta.ptr, self.route.slot_rank)
 
     @property
     def quantizes(self) -> bool:
@@ -198,13 +200,23 @@ class DirectDispatcher:
             return
         # Across nodes (docs/design.md, "Across nodes"): the count rows cross between count +
         # publish and the layout, the staged token blocks after the move, then their expansion.
+        # With sizes through the host (EPSERVE_OFFNODE_SIZES=host) the count table goes to the
+        # host right after the count rows' group, the host waits for it while the GPU runs the
+        # layout and the move, and the blocks cross at their routed sizes; then sink_src_info
+        # for the compact return (epserve/comm/off_node_sizes.py).
         off = self.off_node
         self.launches.run((T, rejected, "count"), specs[:1])
         off.exchange_counts(self._table.ptr)
+        if off.host_sizes:
+            off.counts_to_host(self._table.ptr)
         self.launches.run((T, rejected, arm_combine is not None, "move"), specs[1:])
-        off.exchange_rows(self._tokens.ptr, self._meta.ptr, self.status)
-        self.launches.run("off-node expand", [off.expand_spec(cfg, self._base, self.rows, self.src_info,
-                                                              self.expert_offsets, self.expand_blocks)])
+        sizes = off.await_sizes() if off.host_sizes else None
+        off.exchange_rows(self._tokens.ptr, self._meta.ptr, self.status, sizes)
+        expand = [off.expand_spec(cfg, self._base, self.rows, self.src_info, self.expert_offsets, self.expand_blocks)]
+        if off.host_sizes:
+            expand.append(off.return_slots_spec(self.src_info, self.expert_offsets, self._base, self._table.ptr,
+                                                self.status))
+        self.launches.run(("off-node expand", off.host_sizes), expand)
 
     def rows_received(self) -> int:
         """This call's row count, read on the host (waits for the stream): for the baselines

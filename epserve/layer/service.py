@@ -36,6 +36,7 @@ from epserve.comm import mpi as ep_comm
 from epserve.comm import signals as sig
 from epserve.comm.nccl import gpus_shared, make_nccl
 from epserve.comm.off_node import agree_carrier, make_off_node
+from epserve.comm.off_node_sizes import SIZES_ENV, agree_sizes
 from epserve.comm.peers import PeerGroup
 from epserve.comm.signals import SignalBlock
 from epserve.comm.topology import gather_node_layout
@@ -63,6 +64,7 @@ class DispatchResult(Dispatched):
     topk_idx: cupy.ndarray = None
     topk_weights: cupy.ndarray = None
     plan: DevicePlan | None = None  # the host-side plan, when the baseline dispatch made one
+    after_direct: bool = False  # the rows came by the direct dispatch (its state serves their combine)
 
     @property
     def num_tokens(self) -> int:
@@ -113,8 +115,9 @@ class EPService:
         Raises, on every rank alike: RankMismatchError when the ranks' configs differ or
         world_size is not comm's size (before any CUDA call); ConfigError when the ranks'
         placement is unusable (epserve/comm/topology.py) or, across nodes, the off-node carrier
-        (EPSERVE_OFFNODE_CARRIER) is unknown or differs between ranks, also before any CUDA
-        call, or cannot run here (nccl where ranks share a GPU); RankFailedError naming each
+        (EPSERVE_OFFNODE_CARRIER) or sizes (EPSERVE_OFFNODE_SIZES) are unknown or differ between
+        ranks, also before any CUDA call, or the carrier cannot run here (nccl where ranks
+        share a GPU); RankFailedError naming each
         rank that has no usable GPU or failed to allocate or map a buffer. MPI must be
         running: started without mpirun/mpiexec, the communicator has one rank.
         """
@@ -126,6 +129,7 @@ class EPService:
         check_agreement(config, self.comm)  # needs no GPU: a mismatch is reported before any CUDA call
         self.nodes = gather_node_layout(self.comm)  # every rank computes it alike, and raises alike
         self._carrier = agree_carrier(self.comm, self.nodes)  # across nodes: the off-node carrier's name
+        self._offnode_sizes = agree_sizes(self.comm, self.nodes.nodes)  # across nodes: "capacity" or "host"
         self.device = ep_comm.select_device(self.comm, device)
         self._closed = False
         self.group = PeerGroup(self.comm, self.nodes)  # IPC mappings inside this rank's node only
@@ -144,7 +148,8 @@ class EPService:
                                       num_experts=c.num_experts,
                                       top_k=c.top_k, hidden=width, combine_hidden=c.hidden,
                                       max_tokens=c.max_tokens_per_rank, wait_timeout_s=c.wait_timeout_s,
-                                      nccl_comm=self.nccl, shared_gpu=self.shared_gpu)
+                                      nccl_comm=self.nccl, shared_gpu=self.shared_gpu,
+                                      sizes=self._offnode_sizes, max_recv_rows=c.recv_rows_capacity)
         self.direct = DirectDispatcher(self.group, self.signals, num_experts=c.num_experts, top_k=c.top_k,
                                        hidden=width, max_tokens=c.max_tokens_per_rank,
                                        max_recv_rows=c.recv_rows_capacity, wait_timeout_s=c.wait_timeout_s, dtype=BF16,
@@ -258,8 +263,9 @@ class EPService:
         if error is None:
             x = self._rows_to_dispatch(x, transport)
         if transport == "direct":
-            d = self.direct.dispatch(x, topk_idx, error)
-            return DispatchResult(d.rows, d.expert_offsets, d.src_info, d.num_rows, topk_idx, topk_weights)
+            d = self._lose_on_timeout(self.direct.dispatch, x, topk_idx, error)
+            return DispatchResult(d.rows, d.expert_offsets, d.src_info, d.num_rows, topk_idx, topk_weights,
+                                  after_direct=True)
         if self.nccl_path is not None:
             d = self.nccl_path.dispatch(x, topk_idx, error)
             return DispatchResult(d.rows, d.expert_offsets, d.src_info, d.num_rows, topk_idx, topk_weights)
@@ -315,12 +321,13 @@ class EPService:
             comb.gemm_only(act, w2, self._send_plan(d), I)
             return None
         if sink == "peer":
-            out = comb.fused(act, w2, self._send_plan(d), d.topk_idx, d.topk_weights, I, out=out)
+            out = comb.fused(act, w2, self._send_plan(d), d.topk_idx, d.topk_weights, I, out=out,
+                             after_direct=d.after_direct)
         else:
             C = cupy.empty((M, H), BF16)
             gemm.run(fp8_stage.gemm2_specs("null", act, w2, C, d.expert_offsets, e_loc, H, I))
             plan = self._send_plan(d) if self.transport == "ipc" else (d.plan or self._host_plan(d.topk_idx))
-            out = comb.unfused(C, plan, d.topk_idx, d.topk_weights, out=out)
+            out = comb.unfused(C, plan, d.topk_idx, d.topk_weights, out=out, after_direct=d.after_direct)
         return out
 
     @staticmethod
@@ -386,6 +393,9 @@ class EPService:
         call and no host wait either, where every rank has its own GPU. The baselines that
         remain: dispatch "nccl" where ranks share a GPU is planned on the host (MPI), and the
         null sink after the direct dispatch pushes C over IPC after reading the row count.
+        Across nodes with EPSERVE_OFFNODE_SIZES=host (docs/design.md, "Across nodes") the
+        direct dispatch also waits for its count rows on the host, once, so that the off-node
+        carrier moves only the routed rows: such a forward cannot be captured (ConfigError).
 
         Failures, on every rank alike, before any row moves, the service usable afterwards:
         - a rank whose own input is bad (shape, dtype, device, layout, token count, an
@@ -418,6 +428,7 @@ class EPService:
                                    "and start a new one on every rank")
         if dispatch == "nccl" and self.nccl_path is None:  # ranks share a GPU: NCCL cannot run
             return self._forward_baseline(x, topk_idx, topk_weights, w13, w2, sink, dispatch, out)
+        self._refuse_host_wait_in_capture(dispatch)  # every rank captures alike: no stand-in, nothing queued
         try:
             self._check_choice("sink", sink, SINKS)
             self._check_choice("dispatch", dispatch, DISPATCHES)
@@ -432,10 +443,33 @@ class EPService:
         if dispatch == "direct" and sink == "peer" and self.replay_forward and self.off_node is None:
             out = self._forward_replayed(x, topk_idx, topk_weights, w13, w2, out)
         else:
-            out = self._forward_launches(x, topk_idx, topk_weights, w13, w2, sink, dispatch, out)
+            out = self._lose_on_timeout(self._forward_launches, x, topk_idx, topk_weights, w13, w2, sink, dispatch,
+                                        out)
         if check:
             self._raise_pending()
         return out
+
+    def _lose_on_timeout(self, fn, *args):
+        """fn(*args); a PeerTimeoutError from a host wait (the off-node sizes') loses the service."""
+        try:
+            return fn(*args)
+        except PeerTimeoutError as exc:
+            self._lost = exc
+            raise
+
+    @property
+    def host_waits(self) -> bool:
+        """Whether the direct dispatch waits for the host (across nodes with
+        EPSERVE_OFFNODE_SIZES=host): then its forward cannot be captured in a CUDA graph."""
+        return self.off_node is not None and self.off_node.host_sizes
+
+    def _refuse_host_wait_in_capture(self, dispatch: str) -> None:
+        """A direct dispatch that reads sizes on the host cannot run inside a stream capture:
+        ConfigError (on every rank, which all capture alike) before anything is queued."""
+        if dispatch == "direct" and self.host_waits and cupy.cuda.get_current_stream().is_capturing():
+            raise ConfigError(f"{SIZES_ENV}=host: the direct dispatch reads this call's sizes on the host, so "
+                              f"forward cannot be captured in a CUDA graph; unset {SIZES_ENV} (capacity blocks) "
+                              "to capture")
 
     def _forward_replayed(self, x, topk_idx, topk_weights, w13, w2, out):
         """The default path's launches (checked inputs): recorded at the first call of a token
@@ -487,7 +521,7 @@ class EPService:
         self._gemm1.run(dispatch, specs)
         if sink == "peer":
             out = self.combiner.fused(self._act, w2, d, topk_idx, topk_weights, c.intermediate, out=out,
-                                      status=d.status, armed=armed)
+                                      status=d.status, armed=armed, after_direct=dispatch == "direct")
         elif dispatch == "nccl":  # the unfused layer over NCCL: GEMM 2 stores C, NCCL brings it home
             if self._C is None:
                 self._C = cupy.empty((c.recv_rows_capacity, c.hidden), BF16)
@@ -500,7 +534,8 @@ class EPService:
             gemm.run(fp8_stage.gemm2_specs("null", self._act, w2, self._C, d.expert_offsets, c.experts_per_rank,
                                            c.hidden, c.intermediate, rows=topk_idx.size))
             rows = _RowSources(d.expert_offsets, d.src_info, d.rows_received())
-            out = self.combiner.unfused(self._C, rows, topk_idx, topk_weights, out=out, status=d.status)
+            out = self.combiner.unfused(self._C, rows, topk_idx, topk_weights, out=out, status=d.status,
+                                        after_direct=True)
         return out
 
     def _stand_in(self, out, check, dispatch="direct", sink="peer") -> None:
@@ -515,7 +550,8 @@ class EPService:
         else:
             self.direct.enqueue(None, None, rejected=True)
         # The NCCL combine (null sink after the NCCL dispatch) stages nothing across nodes.
-        self.combiner.stand_in(off_node=not (dispatch == "nccl" and self.nccl_path is not None and sink == "null"))
+        nccl_dispatch = dispatch == "nccl" and self.nccl_path is not None
+        self.combiner.stand_in(off_node=not (nccl_dispatch and sink == "null"), after_direct=not nccl_dispatch)
         try:
             poisoned = checked_array(out, "out", "bf16", (None, self.config.hidden)) if out is not None else None
         except ConfigError:
@@ -570,8 +606,16 @@ class EPService:
         over input and output buffers it owns: write fresh inputs into its x, topk_idx and
         topk_weights, then replay() it; the output is bitwise the eager forward's. Collective:
         it runs one eager forward first (every rank at once), and every replay is a forward
-        call of every rank. See epserve/layer/graph.py."""
+        call of every rank. See epserve/layer/graph.py.
+
+        Refused (ConfigError, on every rank alike) across nodes with EPSERVE_OFFNODE_SIZES=host:
+        that dispatch waits for the host once per call, which no graph can hold."""
         from epserve.layer.graph import CapturedForward
+
+        if self.host_waits:
+            raise ConfigError(f"{SIZES_ENV}=host: the direct dispatch reads each call's sizes on the host, so "
+                              f"forward cannot be captured in a CUDA graph; unset {SIZES_ENV} (capacity blocks) "
+                              "to capture")
 
         return CapturedForward(self, tokens, w13, w2)
 

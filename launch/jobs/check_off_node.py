@@ -15,6 +15,11 @@ same bits too. Then check_service's bad inputs on the multi-node service: every 
 and the service goes on giving the same bits. Prints `RESULT {json}` lines; exits non-zero if
 any check failed on any rank.
 
+With EPSERVE_OFFNODE_SIZES=host (set in the environment, like the carrier) the multi-node
+service moves the routed rows only (docs/design.md, "Across nodes"): the same bits are
+required, the sizes the host read must be the routing's (token rows to each off-node rank,
+rows back from each off-node owner), and capture() must be refused (ConfigError).
+
 More than 8 ranks cannot run as one node (a node holds at most 8): then
 --reference-ranks-per-node R0 makes the reference run another forced layout (for example 16
 ranks as 4 nodes of 4 against 2 nodes of 8), and both must give the same bits:
@@ -39,6 +44,7 @@ from epserve.check.reference import reference_layer, rel_error
 from epserve.check.testing import BF16, bf16_bits, layer_inputs
 from epserve.comm import mpi as ep_comm
 from epserve.comm.topology import RANKS_PER_NODE_ENV
+from epserve.errors import ConfigError
 
 
 def run_calls(svc, comm, calls, E, k, H, I, opts, seed):
@@ -60,6 +66,8 @@ def run_calls(svc, comm, calls, E, k, H, I, opts, seed):
         r["recv_unfused"] = bf16_bits(svc.combiner.recv)[:T][used]
         d = svc.dispatch(x, idx, w, transport="direct")
         r["dispatch"] = {f: cupy.asnumpy(getattr(d, f)).view(np.uint8) for f in ("rows", "expert_offsets", "src_info")}
+        if svc.off_node is not None and svc.off_node.host_sizes:  # what the host read for this dispatch
+            r["sizes"] = svc.off_node.last_sizes
         if not svc.shared_gpu:  # the NCCL dispatch (pure NCCL, crosses nodes itself), both sinks
             r["nccl_unfused"] = bf16_bits(svc.forward(x, idx, w, w13, w2, sink="null", dispatch="nccl"))
             r["nccl_fused"] = bf16_bits(svc.forward(x, idx, w, w13, w2, sink="peer", dispatch="nccl"))
@@ -87,7 +95,7 @@ def run_shape(comm, name, H, I, E, k, calls, opts, seed, ranks_per_node, referen
     os.environ[RANKS_PER_NODE_ENV] = str(ranks_per_node)
     with EPService(cfg, comm) as svc:
         info.update(nodes=svc.nodes.nodes, carrier=svc.off_node and svc.off_node.carrier.name,
-                    transport=svc.transport)
+                    transport=svc.transport, sizes=svc.off_node and svc.off_node.sizes)
         if svc.off_node is None:
             return [f"EPSERVE_RANKS_PER_NODE={ranks_per_node} gave one node"], info
         many, first = run_calls(svc, comm, calls, E, k, H, I, opts, seed)
@@ -115,9 +123,36 @@ def run_shape(comm, name, H, I, E, k, calls, opts, seed, ranks_per_node, referen
                 info[f"rel_err_call{n}"] = err
                 if not err < 1e-2:
                     failures.append(f"call {n}: relative error {err:.3g} vs the float64 reference")
+        failures += sized_checks(svc, many, E, first)
         failures += bad_inputs(comm, svc, cfg, first, many[0]["fused"])
     os.environ.pop(RANKS_PER_NODE_ENV, None)
     return failures, info
+
+
+def sized_checks(svc, results, E, first) -> list:
+    """EPSERVE_OFFNODE_SIZES=host: the sizes the host read are this rank's routing's, and
+    capture is refused (on every rank alike, before anything is queued)."""
+    off = svc.off_node
+    if not off.host_sizes:
+        return []
+    failures = []
+    rank, e_loc = svc.rank, E // svc.world
+    for n, r in enumerate(results):
+        idx = r["inputs"][rank].topk_idx
+        owner = np.where(idx >= 0, idx // e_loc, -1)
+        want_tokens = {d: int((owner == d).any(axis=1).sum()) for d in off.plan.peers}
+        want_back = {o: int((owner == o).sum()) for o in off.plan.peers}
+        got = r.get("sizes")
+        if got is None or got.tokens_to != want_tokens or got.returns_from != want_back:
+            failures.append(f"call {n}: the host's sizes {got} are not the routing's (token rows {want_tokens}, "
+                            f"rows back {want_back})")
+    x, idx, w, w13, w2 = first
+    try:
+        svc.capture(x.shape[0], w13, w2)
+        failures.append("capture() was not refused with EPSERVE_OFFNODE_SIZES=host")
+    except ConfigError:
+        pass
+    return failures
 
 
 def main():

@@ -205,8 +205,9 @@ def test_direct_launches_across_nodes_match_their_kernels(ptx, fakes, monkeypatc
     monkeypatch.setattr(off_mod.kernels, "function", lambda module, name: Function(name))
     carried = []
     fake = types.SimpleNamespace(
+        host_sizes=False,
         exchange_counts=lambda table: carried.append("counts"),
-        exchange_rows=lambda tokens, meta, status: carried.append("rows"),
+        exchange_rows=lambda tokens, meta, status, sizes=None: carried.append("rows"),
         expand_spec=lambda *a: off_mod.OffNode.expand_spec(None, *a))
     d = direct_dispatcher(True, own_in_send=False)
     d.off_node, d.status = fake, Device()
@@ -217,6 +218,42 @@ def test_direct_launches_across_nodes_match_their_kernels(ptx, fakes, monkeypatc
                      "epserve_dispatch_move", "epserve_dispatch_expand_off_node"]
     assert carried == ["counts", "rows"]
     check(ptx, d.launches.specs)
+
+
+def test_direct_launches_with_sizes_through_the_host(ptx, fakes, monkeypatch, tmp_path):
+    """EPSERVE_OFFNODE_SIZES=host: the count table goes to the host right after the count
+    rows' group, before the layout and the move are queued; the host waits only after them;
+    the rows cross at the sizes it read; the return slots follow the off-node expand. Every
+    launch's arguments match its kernel."""
+    from epserve.comm import off_node as off_mod
+    from epserve.comm.topology import NodeLayout
+
+    monkeypatch.setenv("EPSERVE_CACHE_DIR", str(tmp_path))
+    source, defines = kernels.VARIANTS["staging"]
+    staging_ptx = build.compile_source(source, defines).ptx.read_text()
+    monkeypatch.setattr(off_mod.kernels, "function", lambda module, name: Function(name))
+    monkeypatch.setattr(off_mod, "i32", by_value)
+    monkeypatch.setattr(off_mod, "u64", lambda v: by_value(v, np.uint64))
+    events = []
+    o = off_mod.OffNode.__new__(off_mod.OffNode)
+    o.plan = off_mod.OffNodePlan(NodeLayout(4, 2), 1, E, K, H, H, T)
+    o.rank, o.world, o.sizes, o.sink_src_info = 1, 4, "host", Device()
+    o.exchange_counts = lambda table: events.append("counts")
+    o.counts_to_host = lambda table: events.append("to host")
+    o.await_sizes = lambda: events.append(("wait", len(d.launches.specs))) or "sizes"
+    o.exchange_rows = lambda tokens, meta, status, sizes=None: events.append(("rows", sizes))
+    d = direct_dispatcher(True, own_in_send=False)
+    d.off_node, d.status = o, Device()
+    d._table = d._tokens = d._meta = types.SimpleNamespace(ptr=0x2000)
+    d.enqueue(Device((T, H)), Device((T, K)))
+    names = [spec[0].name for spec in d.launches.specs]
+    assert names == ["epserve_dispatch_route_count_publish", "epserve_dispatch_route_rank_layout",
+                     "epserve_dispatch_move", "epserve_dispatch_expand_off_node", "epserve_off_node_return_slots"]
+    assert events == ["counts", "to host", ("wait", 3), ("rows", "sizes")]  # the wait behind layout + move
+    check(ptx, d.launches.specs[:4])
+    spec = d.launches.specs[4]
+    sizes = [8 if isinstance(a, Device) else np.asarray(a).nbytes for a in spec[3]]
+    assert sizes == param_sizes(staging_ptx, "epserve_off_node_return_slots")
 
 
 def test_nccl_launches_match_their_kernels(ptx, fakes):
@@ -250,9 +287,9 @@ class Called:
         Called.calls.append((self, grid, block, args, shared_mem))
 
 
-def test_off_node_launches_match_their_kernels(monkeypatch, tmp_path):
-    """The launches around the off-node carrier and the IPC test carrier's (cuda/comm/staging.cu)."""
-    from epserve.comm import carriers
+def bare_off_node(monkeypatch, tmp_path):
+    """An OffNode of rank 1 of two nodes of 2, made without a GPU, whose kernel calls are kept
+    (Called), and the staging module's PTX."""
     from epserve.comm import off_node as off_mod
     from epserve.comm.topology import NodeLayout
 
@@ -267,6 +304,14 @@ def test_off_node_launches_match_their_kernels(monkeypatch, tmp_path):
     o.plan = off_mod.OffNodePlan(NodeLayout(4, 2), 1, E, K, H, H, T)
     o.rank, o.world = 1, 4
     o.signals = types.SimpleNamespace(local=lambda offset: 0x3000 + offset)
+    return o, staging_ptx
+
+
+def test_off_node_launches_match_their_kernels(monkeypatch, tmp_path):
+    """The launches around the off-node carrier and the IPC test carrier's (cuda/comm/staging.cu)."""
+    from epserve.comm import carriers
+
+    o, staging_ptx = bare_off_node(monkeypatch, tmp_path)
     o.carrier = types.SimpleNamespace(exchange=lambda sends, recvs, status=None: None)
     o._dispatch_staging = o._combine_staging = types.SimpleNamespace(ptr=0x4000)
     o._landing = types.SimpleNamespace(ptr=0x5000)
@@ -295,3 +340,30 @@ def test_more_than_a_node_of_ranks_takes_the_wide_route_kernels(ptx, fakes, tran
         r = route_mod.Route(transport, num_experts=1024, world=world, top_k=K, max_tokens=T)
         names = (r.count_publish.name, r.rank_layout.name)
         assert names == tuple(n + "_wide" if wide else n for n in route_mod._KERNELS[transport]), world
+
+
+def test_compact_land_launch_matches_its_kernel(monkeypatch, tmp_path):
+    """EPSERVE_OFFNODE_SIZES=host: the combine's carrier group at the latest dispatch's sizes,
+    then the land from compact return blocks, whose arguments match its kernel; without
+    a direct dispatch before it, refused."""
+    from epserve.comm.off_node_sizes import OffNodeSizes
+
+    o, staging_ptx = bare_off_node(monkeypatch, tmp_path)
+    o.sizes = "host"
+    groups = []
+    o.carrier = types.SimpleNamespace(exchange=lambda sends, recvs, status=None: groups.append((sends, recvs)))
+    o._combine_staging = types.SimpleNamespace(ptr=0x4000)
+    o._landing = types.SimpleNamespace(ptr=0x5000)
+    o._dispatch = (0x6000, 0x6100, 0x6200, Device())
+    with pytest.raises(RuntimeError, match="before any direct dispatch"):
+        o.exchange_combine(Device((T, K)), T, K, H, E // 4, Device(), Device(), compact=True)
+    o._last = OffNodeSizes(tokens_to={2: 5, 3: 0}, tokens_from={2: 1, 3: 2}, returns_to={2: 7, 3: 0},
+                           returns_from={2: 0, 3: 9})
+    o.exchange_combine(Device((T, K)), T, K, H, E // 4, Device(), Device(), compact=True)
+    (sends, recvs), = groups
+    assert [(x.peer, x.nbytes) for x in sends] == [(2, 7 * H * 2)]  # no transfer of zero bytes
+    assert [(x.peer, x.nbytes) for x in recvs] == [(3, 9 * H * 2)]
+    (fn, _, _, args, _), = Called.calls
+    assert fn.name == "epserve_off_node_combine_land_compact"
+    sizes = [8 if isinstance(a, Device) else np.asarray(a).nbytes for a in args]
+    assert sizes == param_sizes(staging_ptx, fn.name)

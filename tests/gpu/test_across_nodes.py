@@ -4,7 +4,10 @@ bitwise the one-node run (fused, unfused, recv slots, the dispatch), fused == un
 float64 reference, and the bad inputs. The carrier:
 - ipc: the TEST carrier that imitates the network over CUDA IPC, so every rank may share one
   GPU (NCCL refuses two ranks on one GPU);
-- nccl: the production carrier, one GPU per rank (skipped with fewer than two GPUs)."""
+- nccl: the production carrier, one GPU per rank (skipped with fewer than two GPUs).
+Each in both sizes modes: capacity blocks (the default) and EPSERVE_OFFNODE_SIZES=host (the
+routed rows only, compact return blocks). launch/jobs/time_off_node.py, the off-node
+transfer's timing job, runs once as a smoke test on one GPU (ipc carrier, no NCCL column)."""
 
 import json
 import os
@@ -24,7 +27,8 @@ def explain(proc):
     return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
 
 
-def run_off_node(ranks: int, ranks_per_node: int, carrier: str, share_gpu: bool, shapes: int | None = None):
+def run_off_node(ranks: int, ranks_per_node: int, carrier: str, share_gpu: bool, shapes: int | None = None,
+                 sizes: str | None = None):
     cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "-n", str(ranks), "--timeout", "300"]
     cmd += ["--share-gpu"] if share_gpu else []
     cmd += ["--", sys.executable, "-m", "mpi4py", str(ROOT / "launch" / "jobs" / "check_off_node.py"),
@@ -32,17 +36,21 @@ def run_off_node(ranks: int, ranks_per_node: int, carrier: str, share_gpu: bool,
     cmd += ["--shapes", str(shapes)] if shapes else []
     env = dict(os.environ, EPSERVE_OFFNODE_CARRIER=carrier)
     env.pop("EPSERVE_RANKS_PER_NODE", None)  # the job sets it itself, after its one-node run
+    env.pop("EPSERVE_OFFNODE_SIZES", None)
+    if sizes:
+        env["EPSERVE_OFFNODE_SIZES"] = sizes
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=360, cwd=ROOT, env=env)
     results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     planned = [int(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("# cases:")]
     return proc, results, planned
 
 
-def check(proc, results, planned, ranks, carrier, nodes):
+def check(proc, results, planned, ranks, carrier, nodes, sizes="capacity"):
     failures = [r for r in results if not r["ok"]]
     assert proc.returncode == 0 and not failures, explain(proc)
     assert planned and len(results) == ranks * planned[0], explain(proc)
     assert {(r["carrier"], r["nodes"]) for r in results} == {(carrier, nodes)}, results
+    assert {r.get("sizes") for r in results} == {sizes}, results
 
 
 # (ranks, ranks per node, carrier, all on one GPU)
@@ -60,6 +68,41 @@ def test_forced_nodes_are_bitwise_the_one_node_run(ranks, ranks_per_node, carrie
         pytest.skip("needs two GPUs")
     proc, results, planned = run_off_node(ranks, ranks_per_node, carrier, share_gpu)
     check(proc, results, planned, ranks, carrier, ranks // ranks_per_node)
+
+
+# (ranks, ranks per node, carrier, all on one GPU), with EPSERVE_OFFNODE_SIZES=host
+SIZED_CASES = [
+    pytest.param(2, 1, "ipc", True, id="2-nodes-of-1-ipc-1-gpu-host-sizes"),
+    pytest.param(4, 2, "ipc", True, id="2-nodes-of-2-ipc-1-gpu-host-sizes"),
+    pytest.param(2, 1, "nccl", False, id="2-nodes-of-1-nccl-2-gpus-host-sizes"),
+]
+
+
+@pytest.mark.parametrize("ranks,ranks_per_node,carrier,share_gpu", SIZED_CASES)
+def test_routed_sizes_are_bitwise_the_one_node_run(ranks, ranks_per_node, carrier, share_gpu):
+    """EPSERVE_OFFNODE_SIZES=host: only the routed rows cross (compact return blocks), with
+    the same bits as one node, fused and unfused, the host's sizes the routing's, and
+    capture refused."""
+    if not share_gpu and gpu_count() < 2:
+        pytest.skip("needs two GPUs")
+    proc, results, planned = run_off_node(ranks, ranks_per_node, carrier, share_gpu, sizes="host")
+    check(proc, results, planned, ranks, carrier, ranks // ranks_per_node, sizes="host")
+
+
+def test_timing_job_runs_on_one_gpu():
+    """launch/jobs/time_off_node.py with the ipc carrier on one shared GPU: the table, every
+    transfer's bytes as the ranks sent them (#wrong 0), the NCCL column n/a."""
+    cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "-n", "2", "--timeout", "300", "--share-gpu", "--",
+           sys.executable, "-m", "mpi4py", str(ROOT / "launch" / "jobs" / "time_off_node.py"), "--tokens", "256",
+           "--iters", "5", "--warmup", "2"]
+    env = dict(os.environ, EPSERVE_OFFNODE_CARRIER="ipc", EPSERVE_RANKS_PER_NODE="1")
+    env.pop("EPSERVE_OFFNODE_SIZES", None)  # the job sets it itself
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=360, cwd=ROOT, env=env)
+    assert proc.returncode == 0, explain(proc)
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("dispatch", "combine", "counts"))]
+    assert len(rows) == 5, explain(proc)  # counts; dispatch and combine, capacity and host sizes
+    assert all(row[-1] == "0" and "n/a" in row for row in rows), explain(proc)  # #wrong 0, no NCCL
+    assert "# time_off_node: carrier ipc" in proc.stdout, explain(proc)
 
 
 def test_nccl_carrier_is_refused_where_ranks_share_a_gpu():
