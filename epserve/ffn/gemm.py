@@ -217,8 +217,7 @@ def _overlap_specs(variant: str, A, B, C, expert_offsets, num_experts: int, N: i
     if not specs:
         return specs
     device, stream = cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr
-    mod = kernels.module(variant)
-    room = overlap_gemm.order_room(A.shape[0], num_experts, N, module_int(mod, "epserve_gemm_order_max_mtiles"))
+    room = overlap_gemm.order_room(A.shape[0], num_experts, N, _order_max_mtiles(variant, device))
     order = _ORDER_BUFFERS.get((device, stream, room))
     if order is None:
         order = _ORDER_BUFFERS[(device, stream, room)] = cupy.zeros(max(1, room), np.int32)
@@ -227,6 +226,12 @@ def _overlap_specs(variant: str, A, B, C, expert_offsets, num_experts: int, N: i
     order_spec = (fn, (1,), (1024,), (expert_offsets, i32(num_experts), i32(N), cfg, order, i32(room)), 0)
     gemm_fn, grid, block, args, smem = specs[0]
     return [order_spec, (gemm_fn, grid, block, args + (order, i32(room)), smem)]
+
+
+@functools.lru_cache(maxsize=None)
+def _order_max_mtiles(variant: str, device: int) -> int:
+    """The order kernel's m-tile table (read once: reading a module's constant waits for the device)."""
+    return module_int(kernels.module(variant), "epserve_gemm_order_max_mtiles")
 
 
 def last_tile_order(device: int | None = None, stream: int | None = None):
