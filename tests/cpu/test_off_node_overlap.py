@@ -298,3 +298,21 @@ def test_gemm_overlap_build_takes_the_order_after_the_default_parameters(ptx):
     gemm_params = param_sizes(text, "epserve_grouped_gemm_wgmma")
     assert len(gemm_params) == 12 and gemm_params[-2:] == [8, 4]
     assert param_sizes(text, "epserve_gemm_off_node_first_order") == [8, 4, 4, PEER_SEND_CONFIG.itemsize, 8, 4]
+
+
+def test_with_the_overlap_every_combine_send_is_split_by_node(monkeypatch, tmp_path):
+    """A combine sent after its kernel (the unfused push, a rank standing in) makes the same
+    per-node groups, in node order, as the ranks sending under GEMM 2, so the groups match."""
+    from test_dispatch_launch_args import Device, bare_off_node
+
+    o, _ = bare_off_node(monkeypatch, tmp_path)
+    o.plan = OffNodePlan(NodeLayout(8, 2), 3, 64, 4, 256, 256, 40)
+    o.rank, o.world = 3, 8
+    groups = []
+    o.carrier = types.SimpleNamespace(exchange=lambda sends, recvs, status=None: groups.append((sends, recvs)))
+    o._combine_staging, o._landing, o._groups = types.SimpleNamespace(ptr=0x4000), types.SimpleNamespace(ptr=0x5000), {}
+    o.overlap = object()
+    o.exchange_combine(Device((40, 4)), 40, 4, 256, 8, Device(), Device())
+    assert [sorted({x.peer for x in s} | {x.peer for x in r}) for s, r in groups] == [[0, 1], [4, 5], [6, 7]]
+    whole = o.plan.combine_group(o._combine_staging, 0x5000)
+    assert sum(len(s) for s, _ in groups) == len(whole[0]) and sum(len(r) for _, r in groups) == len(whole[1])
