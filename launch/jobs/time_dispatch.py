@@ -25,14 +25,13 @@ ranks). Prints a table on rank 0; exits 1 when anything differs."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 import cupy
 import numpy as np
 from mpi4py import MPI
 
-from epserve import EPService, MoEConfig
+from epserve import EPService
 from epserve.arrays import BF16
 from epserve.bench import presets
 from epserve.bench.events import samples_ms
@@ -172,12 +171,8 @@ def main():
     args = p.parse_args()
     comm = ep_comm.world()
     rank, world = comm.Get_rank(), comm.Get_size()
-    pre = presets.get_preset(args.preset)
-    T = args.tokens or pre.tokens_per_rank
-    H, I, E, k = pre.hidden, pre.intermediate, pre.num_experts, pre.top_k
-    cfg = MoEConfig(E, k, H, I, T, world_size=world, wait_timeout_s=60.0)
-    at = dataclasses.replace(pre, tokens_per_rank=T)
-    topk_all = presets.balanced().draw(at, world, args.seed + T)
+    pre, cfg, topk_all = presets.balanced_point(args.preset, args.tokens, world, args.seed)
+    T, H, E, k = pre.tokens_per_rank, pre.hidden, pre.num_experts, pre.top_k
     bad = 0
     with EPService(cfg, comm) as svc:
         idx = cupy.asarray(topk_all[rank])

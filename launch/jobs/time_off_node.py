@@ -35,7 +35,7 @@ import numpy as np
 from job_report import emit
 from mpi4py import MPI
 
-from epserve import EPService, MoEConfig
+from epserve import EPService
 from epserve.arrays import BF16
 from epserve.bench import presets
 from epserve.comm import mpi as ep_comm
@@ -164,11 +164,8 @@ def main():
     os.environ[SIZES_ENV] = "host"  # the routed sizes come from the host; the capacity groups need none
     comm = ep_comm.world()
     rank, world = comm.Get_rank(), comm.Get_size()
-    pre = presets.get_preset(args.preset)
-    T = args.tokens or pre.tokens_per_rank
-    H, I, E, k = pre.hidden, pre.intermediate, pre.num_experts, pre.top_k
-    cfg = MoEConfig(E, k, H, I, T, world_size=world, wait_timeout_s=60.0)
-    topk_all = presets.balanced().draw(dataclasses.replace(pre, tokens_per_rank=T), world, args.seed + T)
+    pre, cfg, topk_all = presets.balanced_point(args.preset, args.tokens, world, args.seed)
+    T, H, E, k = pre.tokens_per_rank, pre.hidden, pre.num_experts, pre.top_k
     with EPService(cfg, comm) as svc:
         off = svc.off_node
         if off is None:
