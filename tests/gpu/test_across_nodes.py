@@ -93,24 +93,27 @@ def test_routed_sizes_are_bitwise_the_one_node_run(ranks, ranks_per_node, carrie
     check(proc, results, planned, ranks, carrier, ranks // ranks_per_node, sizes="host")
 
 
-# (ranks, ranks per node, sizes), with EPSERVE_OFFNODE_OVERLAP=1, the ipc carrier, on one GPU
+# (ranks, ranks per node, sizes, carrier, all on one GPU), with EPSERVE_OFFNODE_OVERLAP=1
 OVERLAP_CASES = [
-    pytest.param(2, 1, "capacity", id="2-nodes-of-1-overlap"),
-    pytest.param(4, 2, "capacity", id="2-nodes-of-2-overlap"),
-    pytest.param(2, 1, "host", id="2-nodes-of-1-overlap-host-sizes"),
-    pytest.param(4, 2, "host", id="2-nodes-of-2-overlap-host-sizes"),
+    pytest.param(2, 1, "capacity", "ipc", True, id="2-nodes-of-1-overlap"),
+    pytest.param(4, 2, "capacity", "ipc", True, id="2-nodes-of-2-overlap"),
+    pytest.param(2, 1, "host", "ipc", True, id="2-nodes-of-1-overlap-host-sizes"),
+    pytest.param(4, 2, "host", "ipc", True, id="2-nodes-of-2-overlap-host-sizes"),
+    pytest.param(2, 1, "capacity", "nccl", False, id="2-nodes-of-1-nccl-2-gpus-overlap"),
 ]
 
 
-@pytest.mark.parametrize("ranks,ranks_per_node,sizes", OVERLAP_CASES)
-def test_send_under_gemm2_is_bitwise_the_one_node_run(ranks, ranks_per_node, sizes):
+@pytest.mark.parametrize("ranks,ranks_per_node,sizes,carrier,share_gpu", OVERLAP_CASES)
+def test_send_under_gemm2_is_bitwise_the_one_node_run(ranks, ranks_per_node, sizes, carrier, share_gpu):
     """EPSERVE_OFFNODE_OVERLAP=1: the fused combine's off-node rows leave on a side stream while
     GEMM 2's overlap build (SMs left free, off-node m-tiles first, staged rows counted) runs;
     the same bits as one node, fused and unfused, every fused call sent that way, GEMM 2's tile
-    order the model's, capture refused. The IPC test carrier on one shared GPU."""
-    proc, results, planned = run_off_node(ranks, ranks_per_node, "ipc", True, sizes=None if sizes == "capacity"
-                                          else sizes, overlap=True)
-    check(proc, results, planned, ranks, "ipc", ranks // ranks_per_node, sizes=sizes, overlap=True)
+    order the model's, capture refused. The IPC test carrier on one shared GPU; NCCL on two."""
+    if not share_gpu and gpu_count() < 2:
+        pytest.skip("needs two GPUs")
+    proc, results, planned = run_off_node(ranks, ranks_per_node, carrier, share_gpu,
+                                          sizes=None if sizes == "capacity" else sizes, overlap=True)
+    check(proc, results, planned, ranks, carrier, ranks // ranks_per_node, sizes=sizes, overlap=True)
 
 
 def test_timing_job_runs_on_one_gpu():
