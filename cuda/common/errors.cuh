@@ -19,6 +19,7 @@ enum ErrorCode : int {
   kPeerBadExpert = 9,        // verdict: rank `peer`'s topk_idx holds an id outside [-1, num_experts)
   kRecvOverflow = 10,        // verdict: rank `peer` would receive `detail` rows, over max_recv_rows
   kOffNodeCarrierTimeout = 11,  // the IPC test carrier waited for rank `peer` to post (detail 0) or take (1) a group
+  kOffNodeRowsTimeout = 12,     // across nodes, overlap: GEMM 2 never staged `detail` units more for home `peer`
 };
 
 // A call's status on this rank (int[2], local), written fresh by the dispatch layout kernel

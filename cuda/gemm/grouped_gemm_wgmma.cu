@@ -64,6 +64,7 @@
 #include "ffn/swiglu.cuh"
 #include "gemm/tile_scheduler.cuh"
 #include "sinks/ep_peer_sink.cuh"
+#include "sinks/ep_peer_sink_counting.cuh"
 #include "sinks/null_peer_sink.cuh"
 #include "sinks/tile_mailbox.cuh"
 
@@ -87,6 +88,9 @@
 #endif
 #ifndef EPSERVE_GEMM_SPLIT_TIMEOUT_NS
 #define EPSERVE_GEMM_SPLIT_TIMEOUT_NS 10000000000ull  // a second half's wait for its first half
+#endif
+#ifndef EPSERVE_GEMM_OFFNODE_FIRST
+#define EPSERVE_GEMM_OFFNODE_FIRST 0  // 1: the m-tiles holding rows bound off-node are handed out first
 #endif
 #ifndef EPSERVE_GEMM_SWAP_STEP
 #define EPSERVE_GEMM_SWAP_STEP 16  // a swapped tile's rows are rounded up to this: 16, 32, 64 or 128
@@ -127,6 +131,14 @@ struct SplitK {
 };
 constexpr int kSplitK = SplitK::kParts;
 static_assert(kSplitK == 1 || kSplitK == 2, "split K in one or two parts");
+// Across nodes, the overlap builds (gemm_wgmma_peer*_overlap, with EpPeerSinkCountingOffNode):
+// a small kernel before the GEMM (epserve_gemm_off_node_first_order, below) writes a
+// permutation of the tile indices in which the tiles of m-tiles holding rows bound off-node
+// come first, each class in the default order; the producer hands tiles out through it, so
+// the off-node rows are staged, counted and sent early while the rest of the GEMM runs.
+constexpr bool kOffNodeFirst = EPSERVE_GEMM_OFFNODE_FIRST != 0;
+static_assert(!kOffNodeFirst || (Sink::kEnabled && !kSwiGLU && kCluster == 1 && !kShareB),
+              "off-node tiles first: GEMM 2 with the peer sink, single CTAs");
 // Split K is for GEMM 2's wide tiles when they make few waves: the swapped tails' and SwiGLU's
 // accumulator layouts, the CTA pairs' shared stages and the 128-wide tile are not built for it.
 static_assert(kSplitK == 1 || (!kSwiGLU && !kSwapTails && kCluster == 1 && kBN == 256),
@@ -235,6 +247,15 @@ __device__ __forceinline__ void with_swap_width(int n, F&& f) {
 __device__ __forceinline__ int swap_weight_row(int w, int b) { return kSwiGLU ? 128 * b + 64 * w : 128 * w + 64 * b; }
 __device__ __forceinline__ int swap_out_col(int w, int b) { return kSwiGLU ? 64 * w : 128 * w + 64 * b; }
 
+// The overlap builds: ticket `taken` of the counter (part-major, as split_item reads it) as
+// the item of the same part whose tile is tile_order[ticket's tile]; the default order when
+// the launch has more tiles than the permutation has room for (its kernel wrote none then).
+__device__ __forceinline__ int ordered_item(int taken, int total_tiles, const int* tile_order, int order_room) {
+  if (total_tiles > order_room) return taken;
+  const int part = taken / total_tiles, tile = taken - part * total_tiles;
+  return part * total_tiles + __ldg(tile_order + tile);
+}
+
 }  // namespace
 
 extern "C" __constant__ int epserve_gemm_smem_bytes = kSmemBytes;
@@ -257,6 +278,14 @@ extern "C" __constant__ int epserve_gemm_split_state_head = SplitK::kStateHead;
 #define EPSERVE_GEMM_SPLIT_PARAMS
 #endif
 
+#if EPSERVE_GEMM_OFFNODE_FIRST
+// tile_order: the permutation epserve_gemm_off_node_first_order wrote for this launch;
+// order_room: the tiles it has room for (a launch with more keeps the default order).
+#define EPSERVE_GEMM_ORDER_PARAMS , const int* __restrict__ tile_order, int order_room
+#else
+#define EPSERVE_GEMM_ORDER_PARAMS
+#endif
+
 #if EPSERVE_GEMM_CLUSTER > 1
 #define EPSERVE_GEMM_CLUSTER_DIMS __cluster_dims__(EPSERVE_GEMM_CLUSTER, 1, 1)
 #else
@@ -270,11 +299,15 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
     epserve_grouped_gemm_wgmma(const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b,
                                bf16_t* __restrict__ C, const int* __restrict__ expert_offsets, int num_experts, int N,
                                int K, const PeerSendConfig cfg, int gate,
-                               int* __restrict__ tile_counter EPSERVE_GEMM_SPLIT_PARAMS) {
+                               int* __restrict__ tile_counter EPSERVE_GEMM_SPLIT_PARAMS EPSERVE_GEMM_ORDER_PARAMS) {
 #if EPSERVE_GEMM_SPLIT_K == 1
   float2* const split_acc = nullptr;  // the split-K code below is compiled out (if constexpr)
   unsigned* const split_state = nullptr;
   constexpr int split_tiles = 0, split_policy = 0;
+#endif
+#if !EPSERVE_GEMM_OFFNODE_FIRST
+  const int* const tile_order = nullptr;  // the default order (kOffNodeFirst is false)
+  constexpr int order_room = 0;
 #endif
   extern __shared__ __align__(1024) unsigned char smem[];
   unsigned char* ring_a = smem;
@@ -362,8 +395,8 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
       };
       const int items = sched.total_tiles * parts;
       for (;;) {
-        const int index = atomicAdd(tile_counter, 1);
-        if (index >= items) {
+        const int taken = atomicAdd(tile_counter, 1);
+        if (taken >= items) {
           mbarrier_wait(&empty[stage], phase ^ 1);
           for (int r = 0; r < kCluster; ++r) {
             publish(r, -1);
@@ -382,6 +415,9 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
           }
           break;
         }
+        // The item the counter's ticket stands for: itself, or in the overlap builds the
+        // ticket's tile through the launch's permutation (the same part).
+        const int index = kOffNodeFirst ? ordered_item(taken, sched.total_tiles, tile_order, order_room) : taken;
         const SplitItem item = split_item(index, sched.total_tiles, parts, k_slices);
         const GroupedTile t = sched.tile(item.tile);
         for (int kt = item.kt_begin; kt < item.kt_end; ++kt) {
@@ -675,3 +711,72 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
   // its multicast loads.
   if constexpr (kCluster > 1) cluster_sync();
 }
+
+#if EPSERVE_GEMM_OFFNODE_FIRST
+// The overlap builds' tile order, one block before the GEMM on the same stream, from the
+// same expert_offsets, N and src_info (the sink's, in cfg): tile_order[p] is the tile the
+// counter's p-th ticket runs. A stable partition of the scheduler's tile indices: first every
+// tile of an m-tile that holds a row bound off-node (a home on another node, as the row
+// scatter sends it), then the others, each class in the scheduler's order, so the L2 reuse
+// of weight tiles inside each class is the default's. A permutation, and a pure function of
+// its inputs. Nothing when the launch has more tiles than order_room or more m-tiles than
+// kOrderMaxMtiles (the GEMM keeps its default order then; the host caps order_room so that
+// both hold whenever the tiles fit).
+constexpr int kOrderThreads = 1024, kOrderMaxMtiles = 32 * 1024;
+extern "C" __constant__ int epserve_gemm_order_max_mtiles = kOrderMaxMtiles;
+extern "C" __global__ void __launch_bounds__(kOrderThreads)
+    epserve_gemm_off_node_first_order(const int* __restrict__ expert_offsets, int num_experts, int N,
+                                      const PeerSendConfig cfg, int* __restrict__ tile_order, int order_room) {
+  __shared__ int mtile_prefix[EPSERVE_MAX_LOCAL_EXPERTS + 1];
+  __shared__ unsigned off_mtiles[kOrderMaxMtiles / 32];  // a bit per m-tile holding a row bound off-node
+  __shared__ int warp_flagged[kOrderThreads / 32];
+  Scheduler sched;
+  sched.init(expert_offsets, num_experts, N, mtile_prefix);
+  const int mtiles = mtile_prefix[num_experts], total = sched.total_tiles;
+  if (total > order_room || mtiles > kOrderMaxMtiles) return;
+  for (int w = threadIdx.x; w < (mtiles + 31) / 32; w += kOrderThreads) off_mtiles[w] = 0;
+  __syncthreads();
+  for (int mt = threadIdx.x; mt < mtiles; mt += kOrderThreads) {
+    int lo = 0, hi = num_experts - 1;  // the m-tile's expert: the last whose prefix <= mt
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (mtile_prefix[mid] <= mt) lo = mid; else hi = mid - 1;
+    }
+    const int m0 = __ldg(expert_offsets + lo) + (mt - mtile_prefix[lo]) * kBM;
+    const int m1 = min(m0 + kBM, __ldg(expert_offsets + lo + 1));
+    bool off = false;
+    for (int m = m0; m < m1 && !off; ++m) {
+      const int home = row_home(cfg.src_info[m], cfg);
+      off = home >= 0 && node_index(home, cfg.node_first, cfg.ranks_per_node) < 0;
+    }
+    if (off) atomicOr(&off_mtiles[mt / 32], 1u << (mt % 32));
+  }
+  __syncthreads();
+  auto flagged = [&](int i) {
+    if (i >= total) return false;
+    const GroupedTile t = sched.tile(i);
+    const int mt = mtile_prefix[t.expert] + (t.m_abs - __ldg(expert_offsets + t.expert)) / kBM;
+    return ((off_mtiles[mt / 32] >> (mt % 32)) & 1u) != 0;
+  };
+  int n_flagged = 0;
+  for (int c = 0; c < total; c += kOrderThreads) n_flagged += __syncthreads_count(flagged(c + threadIdx.x));
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int flagged_before_chunk = 0;
+  for (int c = 0; c < total; c += kOrderThreads) {
+    const int i = c + threadIdx.x;
+    const bool f = flagged(i);
+    const unsigned ballot = __ballot_sync(0xffffffffu, f);
+    if (lane == 0) warp_flagged[warp] = __popc(ballot);
+    __syncthreads();
+    int before = flagged_before_chunk + __popc(ballot & ((1u << lane) - 1u)), chunk = 0;
+    for (int w = 0; w < kOrderThreads / 32; ++w) {
+      if (w < warp) before += warp_flagged[w];
+      chunk += warp_flagged[w];
+    }
+    // `before`: the flagged tiles ahead of tile i; i - before: the others ahead of it
+    if (i < total) tile_order[f ? before : n_flagged + (i - before)] = i;
+    flagged_before_chunk += chunk;
+    __syncthreads();  // warp_flagged is rewritten by the next chunk
+  }
+}
+#endif

@@ -25,7 +25,7 @@ from epserve.comm import signals as sig
 from epserve.comm.nccl import exchange_rows
 from epserve.dispatch.device_plan import DevicePlan
 from epserve.ffn import gemm
-from epserve.ffn.fp8_stage import gemm2_specs
+from epserve.ffn.fp8_stage import gemm2_specs, overlap_supported
 from epserve.runtime.kernel_structs import launch_arg, pack_peer_counters, pack_peer_send_config
 from epserve.runtime.launch import LaunchSequence
 
@@ -113,10 +113,15 @@ class Combiner:
         # The rows this rank expects back-of-envelope, what it sent (T x k): the GEMM's build
         # (epserve/ffn/tiles.py) is chosen by them; act is capacity-sized.
         rows = topk_idx.shape[0] * topk_idx.shape[1]
+        # Across nodes with EPSERVE_OFFNODE_OVERLAP=1: GEMM 2's overlap build, whose off-node rows
+        # leave on a side stream while it runs (epserve/comm/off_node_overlap.py).
+        under = self.off_node is not None and self.off_node.overlap is not None and overlap_supported(act)
         specs = gemm2_specs("peer", act, w2, None, plan.expert_offsets, self.experts_per_rank, self.hidden,
-                            intermediate, cfg, 0, rows=rows)
-        return self._reduce(topk_idx, topk_weights, out, wait=True, status=status, before=specs, key="fused",
-                            armed=armed, after_direct=after_direct)
+                            intermediate, cfg, 0, rows=rows,
+                            overlap_free_sms=self.off_node.overlap.free_sms if under else None)
+        return self._reduce(topk_idx, topk_weights, out, wait=True, status=status, before=specs,
+                            key="fused-overlap" if under else "fused", armed=armed, after_direct=after_direct,
+                            send_under=(cfg, plan.expert_offsets) if under else None)
 
     def stand_in(self, status=None, off_node: bool = True, after_direct: bool = False) -> None:
         """This rank's part of a combine it has no tokens for (its input was rejected): the
@@ -156,11 +161,13 @@ class Combiner:
         return self._reduce(topk_idx, topk_weights, out, wait=False, status=nccl_path.status)
 
     def _reduce(self, topk_idx, topk_weights, out, *, wait: bool, status=None, before=(), key="reduce",
-                armed: bool = False, after_direct: bool = False):
+                armed: bool = False, after_direct: bool = False, send_under=None):
         """The reduction into out (made when None), after the launches in `before`; every
         launch of the call goes through one prepared LaunchSequence entry per (key, T). A
         waiting reduction arms its expected arrivals first, unless the dispatch `armed` them.
-        after_direct: as fused's."""
+        after_direct: as fused's. send_under: (GEMM 2's PeerSendConfig, expert_offsets) when
+        `before` holds GEMM 2's overlap build: the off-node send then runs on a side stream
+        under it (forked before `before`, joined before the land)."""
         T = topk_idx.shape[0]
         if out is None:
             out = cupy.empty((T, self.hidden), self.dtype)
@@ -170,9 +177,17 @@ class Combiner:
             specs.append(launchers.combine_arm_spec(topk_idx, T, self.top_k, self.experts_per_rank, self.world,
                                                     self.hidden // 64, s.local(sig.EXPECTED), status))
         if wait and self.off_node is not None:  # across nodes: the staged rows cross, and land, first
+            compact = self.off_node.compact_returns(after_direct)
+            if send_under is not None:
+                self.off_node.overlap.fork()
             self._launches.run((key, wait, T, armed, "before"), specs)
-            self.off_node.exchange_combine(topk_idx, T, self.top_k, self.hidden, self.experts_per_rank, self.recv,
-                                           status, compact=self.off_node.compact_returns(after_direct))
+            if send_under is not None:
+                self.off_node.send_combine_under_gemm(*send_under, self.experts_per_rank, status, compact)
+                self.off_node.land_combine(topk_idx, T, self.top_k, self.hidden, self.experts_per_rank, self.recv,
+                                           status, compact)
+            else:
+                self.off_node.exchange_combine(topk_idx, T, self.top_k, self.hidden, self.experts_per_rank,
+                                               self.recv, status, compact=compact)
             specs = []
         specs.append(launchers.combine_reduce_spec(self.recv, topk_idx, topk_weights, out, T, self.top_k, self.hidden,
                                                    self.world, s.local(sig.ARRIVE), s.local(sig.EXPECTED),

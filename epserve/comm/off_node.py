@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
+from epserve.comm import off_node_overlap
 from epserve.comm import signals as sig
 from epserve.comm.carriers import Recv, Send
 from epserve.comm.off_node_sizes import OffNodeSizes, sizes_from_count_rows
@@ -235,16 +236,19 @@ class OffNode:
 
     sizes = "capacity"
     _last = None  # OffNodeSizes of the latest direct dispatch (sizes "host")
+    overlap = None  # off_node_overlap.OverlappedSend with EPSERVE_OFFNODE_OVERLAP=1
 
     def __init__(self, plan: OffNodePlan, carrier, signals, wait_timeout_s: float, sizes: str = "capacity",
-                 max_recv_rows: int = 0):
+                 max_recv_rows: int = 0, overlap_free_sms: int | None = None):
         self.plan, self.carrier, self.signals = plan, carrier, signals
         self.rank, self.world = plan.rank, plan.world
         self.timeout_ns = int(wait_timeout_s * 1e9)
         self.wait_timeout_s = wait_timeout_s
         self.sizes = sizes
         self._dispatch_staging = carrier.staging(plan.dispatch_staging_bytes)
-        self._combine_staging = carrier.staging(plan.combine_staging_bytes)
+        # with the overlap, the staging's blocks are followed by GEMM 2's per-home counters
+        self._combine_staging = carrier.staging(plan.combine_staging_bytes + (
+            0 if overlap_free_sms is None else off_node_overlap.done_counters_bytes(plan)))
         self._landing = cupy.cuda.alloc(max(16, plan.combine_staging_bytes))
         self._groups = {}
         if sizes == "host":
@@ -257,6 +261,8 @@ class OffNode:
             # compact return positions (epserve_off_node_return_slots)
             self.sink_src_info = cupy.zeros(max(1, max_recv_rows), np.int32)
         self._dispatch = None  # the direct dispatcher's buffers (bind_dispatch)
+        # EPSERVE_OFFNODE_OVERLAP=1: the combine's send under GEMM 2 (epserve/comm/off_node_overlap.py)
+        self.overlap = None if overlap_free_sms is None else off_node_overlap.OverlappedSend(self, overlap_free_sms)
 
     @property
     def host_sizes(self) -> bool:
@@ -372,12 +378,32 @@ class OffNode:
         if compact:
             if self._last is None:
                 raise RuntimeError("a compact combine before any direct dispatch with EPSERVE_OFFNODE_SIZES=host")
-            self.carrier.exchange(*self.combine_group(self._last), status=status)
+            group = self.combine_group(self._last)
         else:
             key = ("combine", int(self._landing.ptr))
             if key not in self._groups:
                 self._groups[key] = self.plan.combine_group(self._combine_staging, int(self._landing.ptr))
-            self.carrier.exchange(*self._groups[key], status=status)
+            group = self._groups[key]
+        if self.overlap is None:
+            self.carrier.exchange(*group, status=status)
+        else:  # the groups of the combine's send under GEMM 2, which the other ranks may be making
+            for g in off_node_overlap.groups_by_node(self.plan, *group):
+                if g.sends or g.recvs:
+                    self.carrier.exchange(g.sends, g.recvs, status=status)
+        self.land_combine(topk_idx, T, k, H, experts_per_rank, recv, status, compact)
+
+    def send_combine_under_gemm(self, cfg, expert_offsets, experts_per_rank: int, status, compact: bool = False) -> None:
+        """EPSERVE_OFFNODE_OVERLAP=1, after overlap.fork() and GEMM 2's overlap build were queued:
+        the combine's carrier groups on the side stream as GEMM 2 stages their rows, joined
+        back into the current stream (epserve/comm/off_node_overlap.py); then land_combine."""
+        if compact and self._last is None:
+            raise RuntimeError("a compact combine before any direct dispatch with EPSERVE_OFFNODE_SIZES=host")
+        self.overlap.send(cfg, expert_offsets, experts_per_rank, status, compact)
+
+    def land_combine(self, topk_idx, T: int, k: int, H: int, experts_per_rank: int, recv, status,
+                     compact: bool = False) -> None:
+        """After the combine's carrier group(s): this rank's slots served on other nodes, from
+        the landing blocks into recv, counted in arrive."""
         if T == 0:
             return
         blocks = max(1, min(1024, (T * k + 7) // 8))
@@ -423,9 +449,11 @@ def agree_carrier(comm, layout: NodeLayout) -> str | None:
 
 def make_off_node(comm, group, signals, layout: NodeLayout, carrier: str | None, *, num_experts: int, top_k: int,
                   hidden: int, combine_hidden: int, max_tokens: int, wait_timeout_s: float, nccl_comm,
-                  shared_gpu: bool, sizes: str | None = None, max_recv_rows: int = 0):
+                  shared_gpu: bool, sizes: str | None = None, max_recv_rows: int = 0,
+                  overlap_free_sms: int | None = None):
     """Collective, at setup: None on one node (carrier None), else this rank's OffNode with
-    that carrier (agree_carrier) and sizes (off_node_sizes.agree_sizes; None: "capacity");
+    that carrier (agree_carrier), sizes (off_node_sizes.agree_sizes; None: "capacity") and
+    overlap (off_node_overlap.agree_overlap: the SMs GEMM 2 leaves free, or None);
     ConfigError on every rank when it cannot run here."""
     import socket
 
@@ -437,4 +465,4 @@ def make_off_node(comm, group, signals, layout: NodeLayout, carrier: str | None,
     impl = make_carrier(carrier, group=group, nccl_comm=nccl_comm, shared_gpu=shared_gpu, hosts_differ=hosts_differ,
                         error_ptr=signals.local(sig.ERROR), timeout_ns=int(wait_timeout_s * 1e9))
     plan = OffNodePlan(layout, comm.Get_rank(), num_experts, top_k, hidden, combine_hidden, max_tokens)
-    return OffNode(plan, impl, signals, wait_timeout_s, sizes or "capacity", max_recv_rows)
+    return OffNode(plan, impl, signals, wait_timeout_s, sizes or "capacity", max_recv_rows, overlap_free_sms)

@@ -77,6 +77,10 @@ _CODES = {
     11: ("off-node-carrier", PeerTimeoutError,
          "the off-node test carrier (EPSERVE_OFFNODE_CARRIER=ipc) waited for rank {peer} to "
          "{detail_text}, in vain: rank {peer} is dead, stuck or slower than wait_timeout_s"),
+    # EPSERVE_OFFNODE_OVERLAP=1 (cuda/comm/off_node_overlap.cu): the side stream's wait for GEMM 2
+    12: ("off-node-send", PeerTimeoutError,
+         "the off-node send waited for GEMM 2 to stage its rows for rank {peer}, in vain ({detail} 64-column "
+         "units missing): GEMM 2 is stuck, or slower than twice wait_timeout_s"),
 }
 _DETAIL_TEXT = {11: ("post its rows", "take the rows posted to it")}
 

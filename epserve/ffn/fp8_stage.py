@@ -108,11 +108,21 @@ def gemm1_specs(buffers: FP8Buffers, rows, expert_offsets, weights: FP8Weights, 
 
 
 def gemm2_specs(sink: str, act, w2, C, expert_offsets, experts: int, N: int, K: int, cfg=None, gate: int = 0,
-                rows: int | None = None) -> list:
+                rows: int | None = None, overlap_free_sms: int | None = None) -> list:
     """GEMM 2 for either dtype: act an FP8Act with w2 the FP8Weights, or bf16 act and w2.
     rows: the rows the call expects (act is capacity-sized), for the bf16 GEMM's choice of
-    build (epserve/ffn/tiles.py)."""
+    build (epserve/ffn/tiles.py). overlap_free_sms: the bf16 wgmma GEMM's overlap build across
+    nodes (gemm.grouped_gemm_specs); the FP8 GEMM has none (overlap_supported)."""
     if isinstance(act, FP8Act):
+        assert overlap_free_sms is None, "the FP8 GEMM 2 has no overlap build"
         return gemm_fp8.grouped_gemm_fp8_specs(sink, act.q, act.scales, w2.w2, w2.w2_scales, C, expert_offsets,
                                                experts, N, K, cfg, gate)
-    return gemm.grouped_gemm_specs(sink, act, w2, C, expert_offsets, experts, N, K, cfg, gate, rows=rows)
+    return gemm.grouped_gemm_specs(sink, act, w2, C, expert_offsets, experts, N, K, cfg, gate, rows=rows,
+                                   overlap_free_sms=overlap_free_sms)
+
+
+def overlap_supported(act) -> bool:
+    """Whether GEMM 2 of `act` has an overlap build (the combine's off-node send under GEMM 2,
+    EPSERVE_OFFNODE_OVERLAP=1): the bf16 wgmma GEMM's; the FP8 GEMM and the mma.sync one keep
+    the send after GEMM 2."""
+    return not isinstance(act, FP8Act) and gemm.gemm_impl() == "wgmma"

@@ -11,7 +11,7 @@ import os
 import cupy
 import numpy as np
 
-from epserve.ffn import tiles
+from epserve.ffn import overlap_gemm, tiles
 from epserve.runtime import kernels, tma
 from epserve.runtime.kernel_structs import PEER_SEND_CONFIG, i32, launch_arg
 from epserve.runtime.launch import NULL, module_int, pointer, sm_count
@@ -65,11 +65,13 @@ def grouped_gemm(sink: str, A, B, C, expert_offsets, num_experts: int, N: int, K
 
 def grouped_gemm_specs(sink: str, A, B, C, expert_offsets, num_experts: int, N: int, K: int, cfg=None,
                        gate: int = 0, impl: str | None = None, rows: int | None = None,
-                       split: str | None = None) -> list:
+                       split: str | None = None, overlap_free_sms: int | None = None) -> list:
     """grouped_gemm's launches as specs, (kernel, grid, block, args, shared_mem), for a caller
     that queues them itself (runtime.launch.LaunchSequence). rows: the rows the call expects
     when A is a capacity-sized buffer (default: all of A's); with `split` ("auto", "never",
     "always"; default $EPSERVE_GEMM2_SPLIT_K) they choose the wgmma build (epserve/ffn/tiles.py).
+    overlap_free_sms: across nodes with EPSERVE_OFFNODE_OVERLAP=1, the peer sink's overlap build
+    (epserve/ffn/overlap_gemm.py): its tile order kernel, then the GEMM on that many SMs fewer.
     Every choice gives the same bits."""
     if cfg is None:
         assert sink == "null", "the peer sink needs its PeerSendConfig"
@@ -77,6 +79,13 @@ def grouped_gemm_specs(sink: str, A, B, C, expert_offsets, num_experts: int, N: 
     assert K % 64 == 0 and K > 0 and N % 64 == 0, (N, K)
     impl = impl or gemm_impl()
     device = cupy.cuda.runtime.getDevice()
+    if overlap_free_sms is not None:
+        assert sink == "peer" and impl == "wgmma", "the overlap build is the wgmma GEMM's, with the peer sink"
+        ctas = overlap_gemm.overlap_grid(sm_count(device), overlap_free_sms)
+        policy = tiles.gemm2_split_policy(A.shape[0] if rows is None else rows, num_experts, N, K, ctas, split)
+        variant = "gemm_wgmma_peer_overlap" if policy is None else "gemm_wgmma_peer_split_overlap"
+        return _overlap_specs(variant, A, B, C, expert_offsets, num_experts, N, K, cfg, gate, policy or 0,
+                              overlap_free_sms)
     if impl == "mma":
         fn, smem, threads = _gemm_kernel(f"gemm_{sink}", "epserve_grouped_gemm", device)
         args = (pointer(A), pointer(B), pointer(C), pointer(expert_offsets), i32(num_experts), i32(N), i32(K), cfg,
@@ -173,12 +182,12 @@ def _wgmma_gemm(variant: str, A, B, b_rows: int, C, expert_offsets, num_experts:
 
 
 def _wgmma_specs(variant: str, A, B, b_rows: int, C, expert_offsets, num_experts: int, N: int, K: int, cfg,
-                 gate: int, split_policy: int = tiles.BY_RULE) -> list:
+                 gate: int, split_policy: int = tiles.BY_RULE, free_sms: int = 0) -> list:
     M = A.shape[0]
     if M == 0:
         return []  # no rows, no tiles (and a tensor map cannot have an empty dimension)
     device = cupy.cuda.runtime.getDevice()
-    fn, smem, threads, grid, b_box, split = _wgmma_kernel(variant, device)
+    fn, smem, threads, grid, b_box, split = _wgmma_kernel(variant, device, free_sms)
     # A in 64-row boxes, one per consumer warpgroup; B in boxes of the rows one tile's
     # accumulator columns take: 256, or 128 gate + 128 up rows with SwiGLU.
     map_a = _rows_map(A.data.ptr, M, K, 64)
@@ -193,9 +202,50 @@ def _wgmma_specs(variant: str, A, B, b_rows: int, C, expert_offsets, num_experts
     return [(fn, grid, threads, args, smem)]
 
 
+# The overlap builds' tile order (epserve/ffn/overlap_gemm.py), per (device, stream, room): the
+# order kernel writes it, the GEMM after it on the same stream reads it.
+_ORDER_BUFFERS: dict[tuple[int, int, int], cupy.ndarray] = {}
+_LAST_ORDER: dict[tuple[int, int], cupy.ndarray] = {}  # (device, stream) -> the latest launch's, for tests
+
+
+def _overlap_specs(variant: str, A, B, C, expert_offsets, num_experts: int, N: int, K: int, cfg, gate: int,
+                   split_policy: int, free_sms: int) -> list:
+    """The overlap build's launches: the tile order kernel (one block), then the GEMM on
+    free_sms SMs fewer, given the order and its room."""
+    specs = _wgmma_specs(variant, A, B, num_experts * N, C, expert_offsets, num_experts, N, K, cfg, gate,
+                         split_policy, free_sms)
+    if not specs:
+        return specs
+    device, stream = cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr
+    room = overlap_gemm.order_room(A.shape[0], num_experts, N, _order_max_mtiles(variant, device))
+    order = _ORDER_BUFFERS.get((device, stream, room))
+    if order is None:
+        order = _ORDER_BUFFERS[(device, stream, room)] = cupy.zeros(max(1, room), np.int32)
+    _LAST_ORDER[(device, stream)] = order
+    fn = kernels.function(variant, "epserve_gemm_off_node_first_order")
+    order_spec = (fn, (1,), (1024,), (expert_offsets, i32(num_experts), i32(N), cfg, order, i32(room)), 0)
+    gemm_fn, grid, block, args, smem = specs[0]
+    return [order_spec, (gemm_fn, grid, block, args + (order, i32(room)), smem)]
+
+
 @functools.lru_cache(maxsize=None)
-def _wgmma_kernel(variant: str, device: int):
-    """Everything a wgmma GEMM launch needs that depends on the variant and device alone; the
+def _order_max_mtiles(variant: str, device: int) -> int:
+    """The order kernel's m-tile table (read once: reading a module's constant waits for the device)."""
+    return module_int(kernels.module(variant), "epserve_gemm_order_max_mtiles")
+
+
+def last_tile_order(device: int | None = None, stream: int | None = None):
+    """The tile order the overlap build's latest launch on a stream used (default: the current
+    device and stream), for tests: the order buffer, or None before any such launch."""
+    device = cupy.cuda.runtime.getDevice() if device is None else device
+    stream = cupy.cuda.get_current_stream().ptr if stream is None else stream
+    return _LAST_ORDER.get((device, stream))
+
+
+@functools.lru_cache(maxsize=None)
+def _wgmma_kernel(variant: str, device: int, free_sms: int = 0):
+    """Everything a wgmma GEMM launch needs that depends on the variant, the device and the SMs
+    it leaves free (the overlap builds; 0: one CTA per SM) alone; the
     last item is None, or for a split-K build (fp32 floats a tile, uint32 words before the
     flags) of its workspace and state."""
     fn, smem, threads = _gemm_kernel(variant, "epserve_grouped_gemm_wgmma", device)
@@ -203,7 +253,8 @@ def _wgmma_kernel(variant: str, device: int):
     if int(kernels.VARIANTS[variant][1].get("EPSERVE_GEMM_SPLIT_K", 1)) > 1:
         mod = kernels.module(variant)
         split = (module_int(mod, "epserve_gemm_split_tile_floats"), module_int(mod, "epserve_gemm_split_state_head"))
-    return fn, smem, (threads,), (_wgmma_grid(variant, device),), _b_box_rows(variant, device), split
+    grid = _wgmma_grid(variant, device) if not free_sms else overlap_gemm.overlap_grid(sm_count(device), free_sms)
+    return fn, smem, (threads,), (grid,), _b_box_rows(variant, device), split
 
 
 def swiglu(h, act, M: int, intermediate: int) -> None:

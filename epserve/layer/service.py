@@ -36,6 +36,7 @@ from epserve.comm import mpi as ep_comm
 from epserve.comm import signals as sig
 from epserve.comm.nccl import gpus_shared, make_nccl
 from epserve.comm.off_node import agree_carrier, make_off_node
+from epserve.comm.off_node_overlap import OVERLAP_ENV, agree_overlap
 from epserve.comm.off_node_sizes import SIZES_ENV, agree_sizes
 from epserve.comm.peers import PeerGroup
 from epserve.comm.signals import SignalBlock
@@ -115,7 +116,8 @@ class EPService:
         Raises, on every rank alike: RankMismatchError when the ranks' configs differ or
         world_size is not comm's size (before any CUDA call); ConfigError when the ranks'
         placement is unusable (epserve/comm/topology.py) or, across nodes, the off-node carrier
-        (EPSERVE_OFFNODE_CARRIER) or sizes (EPSERVE_OFFNODE_SIZES) are unknown or differ between
+        (EPSERVE_OFFNODE_CARRIER), sizes (EPSERVE_OFFNODE_SIZES) or overlap
+        (EPSERVE_OFFNODE_OVERLAP, EPSERVE_OFFNODE_OVERLAP_SMS) are unknown or differ between
         ranks, also before any CUDA call, or the carrier cannot run here (nccl where ranks
         share a GPU); RankFailedError naming each
         rank that has no usable GPU or failed to allocate or map a buffer. MPI must be
@@ -130,6 +132,7 @@ class EPService:
         self.nodes = gather_node_layout(self.comm)  # every rank computes it alike, and raises alike
         self._carrier = agree_carrier(self.comm, self.nodes)  # across nodes: the off-node carrier's name
         self._offnode_sizes = agree_sizes(self.comm, self.nodes.nodes)  # across nodes: "capacity" or "host"
+        self._offnode_overlap = agree_overlap(self.comm, self.nodes.nodes)  # across nodes: free SMs, or None
         self.device = ep_comm.select_device(self.comm, device)
         self._closed = False
         self.group = PeerGroup(self.comm, self.nodes)  # IPC mappings inside this rank's node only
@@ -149,7 +152,8 @@ class EPService:
                                       top_k=c.top_k, hidden=width, combine_hidden=c.hidden,
                                       max_tokens=c.max_tokens_per_rank, wait_timeout_s=c.wait_timeout_s,
                                       nccl_comm=self.nccl, shared_gpu=self.shared_gpu,
-                                      sizes=self._offnode_sizes, max_recv_rows=c.recv_rows_capacity)
+                                      sizes=self._offnode_sizes, max_recv_rows=c.recv_rows_capacity,
+                                      overlap_free_sms=self._offnode_overlap)
         self.direct = DirectDispatcher(self.group, self.signals, num_experts=c.num_experts, top_k=c.top_k,
                                        hidden=width, max_tokens=c.max_tokens_per_rank,
                                        max_recv_rows=c.recv_rows_capacity, wait_timeout_s=c.wait_timeout_s, dtype=BF16,
@@ -470,6 +474,14 @@ class EPService:
             raise ConfigError(f"{SIZES_ENV}=host: the direct dispatch reads this call's sizes on the host, so "
                               f"forward cannot be captured in a CUDA graph; unset {SIZES_ENV} (capacity blocks) "
                               "to capture")
+        if self._overlaps_off_node and cupy.cuda.get_current_stream().is_capturing():
+            raise ConfigError(_OVERLAP_NOT_CAPTURED)
+
+    @property
+    def _overlaps_off_node(self) -> bool:
+        """Across nodes with EPSERVE_OFFNODE_OVERLAP=1: the combine's off-node send runs on a
+        side stream under GEMM 2 (epserve/comm/off_node_overlap.py)."""
+        return self.off_node is not None and self.off_node.overlap is not None
 
     def _forward_replayed(self, x, topk_idx, topk_weights, w13, w2, out):
         """The default path's launches (checked inputs): recorded at the first call of a token
@@ -609,13 +621,16 @@ class EPService:
         call of every rank. See epserve/layer/graph.py.
 
         Refused (ConfigError, on every rank alike) across nodes with EPSERVE_OFFNODE_SIZES=host:
-        that dispatch waits for the host once per call, which no graph can hold."""
+        that dispatch waits for the host once per call, which no graph can hold; and with
+        EPSERVE_OFFNODE_OVERLAP=1 (a side stream, not captured so far)."""
         from epserve.layer.graph import CapturedForward
 
         if self.host_waits:
             raise ConfigError(f"{SIZES_ENV}=host: the direct dispatch reads each call's sizes on the host, so "
                               f"forward cannot be captured in a CUDA graph; unset {SIZES_ENV} (capacity blocks) "
                               "to capture")
+        if self._overlaps_off_node:
+            raise ConfigError(_OVERLAP_NOT_CAPTURED)
 
         return CapturedForward(self, tokens, w13, w2)
 
@@ -639,6 +654,8 @@ class EPService:
 
 
 _MAX_KEYS = 512  # recorded forwards kept: token counts x weight sets (layers) in use
+_OVERLAP_NOT_CAPTURED = (f"{OVERLAP_ENV}=1: the combine's off-node send runs on a side stream under GEMM 2, which "
+                         f"capture does not take yet; unset {OVERLAP_ENV} to capture")
 _NOT_REPLAYABLE = object()  # a recording LaunchReplay refused: build that call's launches each time
 
 

@@ -17,6 +17,10 @@ ROWS_SOURCE = "comm/rows.cu"
 SWIGLU_SOURCE = "ffn/swiglu.cu"
 DISPATCH_SOURCE = "comm/dispatch.cu"
 STAGING_SOURCE = "comm/staging.cu"  # across nodes: around the off-node carrier, and the IPC test carrier
+OFF_NODE_OVERLAP_SOURCE = "comm/off_node_overlap.cu"  # across nodes: the combine's send under GEMM 2
+# Across nodes with EPSERVE_OFFNODE_OVERLAP=1: GEMM 2's sink also counts the rows it staged for
+# each off-node home, and the tiles of m-tiles holding such rows go first (a permutation).
+OVERLAP = {"EPSERVE_SINK": "EpPeerSinkCountingOffNode", "EPSERVE_GEMM_OFFNODE_FIRST": 1}
 FP8_GEMM_SOURCE = "gemm/grouped_gemm_fp8.cu"  # block-scaled e4m3 wgmma, the bf16 wgmma GEMM's structure
 FP8_QUANTIZE_SOURCE = "ffn/quantize_fp8.cu"
 
@@ -27,6 +31,9 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     # GEMM 2 in two K halves where its tiles make few waves (epserve/ffn/tiles.py chooses)
     **{f"gemm_wgmma_{sink}_split": (WGMMA_GEMM_SOURCE, {"EPSERVE_SINK": cls, "EPSERVE_GEMM_SPLIT_K": 2})
        for sink, cls in SINKS.items()},
+    # across nodes, the combine's off-node send under GEMM 2 (EPSERVE_OFFNODE_OVERLAP=1)
+    "gemm_wgmma_peer_overlap": (WGMMA_GEMM_SOURCE, OVERLAP),
+    "gemm_wgmma_peer_split_overlap": (WGMMA_GEMM_SOURCE, {**OVERLAP, "EPSERVE_GEMM_SPLIT_K": 2}),
     # GEMM 1 with SwiGLU in its epilogue: act stays on this GPU, so its sink is the null one
     "gemm1_wgmma_swiglu": (WGMMA_GEMM_SOURCE, {"EPSERVE_SINK": SINKS["null"], "EPSERVE_GEMM_SWIGLU": 1}),
     # FP8 experts (issue 16): GEMM 2 with either sink, GEMM 1 with SwiGLU and act quantized
@@ -47,6 +54,7 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     # way (the bits of quantize_fp8's packed rows); its other kernels are the plain build's
     "dispatch_quantize": (DISPATCH_SOURCE, {"EPSERVE_DISPATCH_QUANTIZE": 1}),
     "staging": (STAGING_SOURCE, {}),
+    "off_node_overlap": (OFF_NODE_OVERLAP_SOURCE, {}),
 }
 
 

@@ -15,6 +15,11 @@ same bits too. Then check_service's bad inputs on the multi-node service: every 
 and the service goes on giving the same bits. Prints `RESULT {json}` lines; exits non-zero if
 any check failed on any rank.
 
+With EPSERVE_OFFNODE_OVERLAP=1 (in the environment too) the fused combine's off-node send
+runs on a side stream under GEMM 2's overlap build: the same bits are required, every fused
+call must have gone that way, GEMM 2's tile order must be the model's
+(epserve/ffn/overlap_gemm.py), and capture() must be refused.
+
 With EPSERVE_OFFNODE_SIZES=host (set in the environment, like the carrier) the multi-node
 service moves the routed rows only (docs/design.md, "Across nodes"): the same bits are
 required, the sizes the host read must be the routing's (token rows to each off-node rank,
@@ -45,6 +50,7 @@ from epserve.check.testing import BF16, bf16_bits, layer_inputs
 from epserve.comm import mpi as ep_comm
 from epserve.comm.topology import RANKS_PER_NODE_ENV
 from epserve.errors import ConfigError
+from epserve.ffn import gemm, overlap_gemm
 
 
 def run_calls(svc, comm, calls, E, k, H, I, opts, seed):
@@ -61,6 +67,9 @@ def run_calls(svc, comm, calls, E, k, H, I, opts, seed):
         out = cupy.full((T, H), np.nan, BF16)  # poisoned: every element must be overwritten
         r = {"inputs": inputs}
         r["fused"] = bf16_bits(svc.forward(x, idx, w, w13, w2, sink="peer", dispatch="direct", out=out))
+        if svc.off_node is not None and svc.off_node.overlap is not None:  # the tile order GEMM 2 just used
+            order = gemm.last_tile_order()
+            r["tile_order"] = None if order is None else cupy.asnumpy(order)
         r["recv_fused"] = bf16_bits(svc.combiner.recv)[:T][used]
         r["unfused"] = bf16_bits(svc.forward(x, idx, w, w13, w2, sink="null", dispatch="direct"))
         r["recv_unfused"] = bf16_bits(svc.combiner.recv)[:T][used]
@@ -95,7 +104,8 @@ def run_shape(comm, name, H, I, E, k, calls, opts, seed, ranks_per_node, referen
     os.environ[RANKS_PER_NODE_ENV] = str(ranks_per_node)
     with EPService(cfg, comm) as svc:
         info.update(nodes=svc.nodes.nodes, carrier=svc.off_node and svc.off_node.carrier.name,
-                    transport=svc.transport, sizes=svc.off_node and svc.off_node.sizes)
+                    transport=svc.transport, sizes=svc.off_node and svc.off_node.sizes,
+                    overlap=bool(svc.off_node and svc.off_node.overlap))
         if svc.off_node is None:
             return [f"EPSERVE_RANKS_PER_NODE={ranks_per_node} gave one node"], info
         many, first = run_calls(svc, comm, calls, E, k, H, I, opts, seed)
@@ -124,6 +134,7 @@ def run_shape(comm, name, H, I, E, k, calls, opts, seed, ranks_per_node, referen
                 if not err < 1e-2:
                     failures.append(f"call {n}: relative error {err:.3g} vs the float64 reference")
         failures += sized_checks(svc, many, E, first)
+        failures += overlap_checks(svc, many, H, ranks_per_node, first)
         failures += bad_inputs(comm, svc, cfg, first, many[0]["fused"])
     os.environ.pop(RANKS_PER_NODE_ENV, None)
     return failures, info
@@ -146,13 +157,42 @@ def sized_checks(svc, results, E, first) -> list:
         if got is None or got.tokens_to != want_tokens or got.returns_from != want_back:
             failures.append(f"call {n}: the host's sizes {got} are not the routing's (token rows {want_tokens}, "
                             f"rows back {want_back})")
+    return failures + capture_refused(svc, first, "EPSERVE_OFFNODE_SIZES=host")
+
+
+def overlap_checks(svc, results, H, R, first) -> list:
+    """EPSERVE_OFFNODE_OVERLAP=1: every fused combine went under GEMM 2 (the side stream), the
+    tile order its overlap build used is epserve/ffn/overlap_gemm.py's model of it (a
+    permutation, the m-tiles with rows bound off-node first), and capture is refused."""
+    off = svc.off_node
+    if off.overlap is None:
+        return []
+    failures = []
+    if off.overlap.sends < len(results):
+        failures.append(f"{off.overlap.sends} combines went under GEMM 2, of {len(results)} fused calls")
+    rank = svc.rank
+    for n, r in enumerate(results):
+        offsets = r["dispatch"]["expert_offsets"].view(np.int32)
+        src = r["dispatch"]["src_info"].view(np.int32)[:offsets[-1]]
+        home = (src >> 24) & 0x7F
+        want = overlap_gemm.tile_order_model(offsets, H, home // R != rank // R)
+        got = r.get("tile_order")
+        if want.size == 0:
+            continue
+        if got is None or got.size < want.size or not np.array_equal(got[:want.size], want):
+            failures.append(f"call {n}: GEMM 2's tile order {None if got is None else got[:want.size]} is not the "
+                            f"model's {want}")
+    return failures + capture_refused(svc, first, "EPSERVE_OFFNODE_OVERLAP=1")
+
+
+def capture_refused(svc, first, setting: str) -> list:
+    """[] when capture() is refused (ConfigError, on every rank alike), else the failure."""
     x, idx, w, w13, w2 = first
     try:
         svc.capture(x.shape[0], w13, w2)
-        failures.append("capture() was not refused with EPSERVE_OFFNODE_SIZES=host")
     except ConfigError:
-        pass
-    return failures
+        return []
+    return [f"capture() was not refused with {setting}"]
 
 
 def main():

@@ -86,6 +86,31 @@ def test_split_k_builds_compile_without_spills_or_serialized_wgmmas(base, cache)
     assert kernels.VARIANTS[base + "_split"] == (source, {**defines, **SPLIT_K})
 
 
+OVERLAP_VARIANTS = ["gemm_wgmma_peer_overlap", "gemm_wgmma_peer_split_overlap"]
+
+
+@pytest.mark.parametrize("name", OVERLAP_VARIANTS)
+def test_overlap_builds_compile_without_spills_and_send_what_the_peer_build_sends(name, cache):
+    """GEMM 2's overlap builds (across nodes, EPSERVE_OFFNODE_OVERLAP=1): no spill, no C75xx
+    warning, the peer sink's send code, two parameters more than the build they extend (the
+    tile order and its room), the order kernel beside the GEMM; the default builds have
+    none of it (their SASS is unchanged: docs/design.md, "Across nodes"). Before the -G test
+    below, for the reason given above."""
+    source, defines = kernels.VARIANTS[name]
+    assert defines["EPSERVE_SINK"] == "EpPeerSinkCountingOffNode" and defines["EPSERVE_GEMM_OFFNODE_FIRST"] == 1
+    art = build.compile_source(source, defines)
+    assert not re.search(r"[1-9]\d* bytes spill stores", art.log), art.log
+    assert "C75" not in art.log, art.log
+    ptx = art.ptx.read_text()
+    for what, pattern in SEND_CODE.items():
+        assert re.search(pattern, ptx), f"{name} lacks a {what}"
+    assert config_param_uses(ptx)
+    base = name.replace("_overlap", "")
+    assert kernel_params(ptx) == kernel_params(variant_ptx(base)) + 2
+    assert ".entry epserve_gemm_off_node_first_order(" in ptx
+    assert "epserve_gemm_off_node_first_order" not in variant_ptx(base)
+
+
 @pytest.mark.parametrize("base,knob", [("gemm1_wgmma_swiglu", {}),
                                        ("gemm_wgmma_null", {"EPSERVE_GEMM_CLUSTER": 2}),
                                        ("gemm_wgmma_null", {"EPSERVE_GEMM_SWAP_TAILS": 1}),
@@ -272,4 +297,5 @@ def test_fp8_probe_job_names_only_real_knobs():
     for knobs, _ in list(job.PROBES.values()) + [(k, None) for k in FP8_PROBE_KNOBS]:
         for name in knobs:
             assert f"#ifndef {name}\n" in source, name
+
 

@@ -28,7 +28,7 @@ def explain(proc):
 
 
 def run_off_node(ranks: int, ranks_per_node: int, carrier: str, share_gpu: bool, shapes: int | None = None,
-                 sizes: str | None = None):
+                 sizes: str | None = None, overlap: bool = False):
     cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "-n", str(ranks), "--timeout", "300"]
     cmd += ["--share-gpu"] if share_gpu else []
     cmd += ["--", sys.executable, "-m", "mpi4py", str(ROOT / "launch" / "jobs" / "check_off_node.py"),
@@ -37,20 +37,24 @@ def run_off_node(ranks: int, ranks_per_node: int, carrier: str, share_gpu: bool,
     env = dict(os.environ, EPSERVE_OFFNODE_CARRIER=carrier)
     env.pop("EPSERVE_RANKS_PER_NODE", None)  # the job sets it itself, after its one-node run
     env.pop("EPSERVE_OFFNODE_SIZES", None)
+    env.pop("EPSERVE_OFFNODE_OVERLAP", None)
     if sizes:
         env["EPSERVE_OFFNODE_SIZES"] = sizes
+    if overlap:
+        env["EPSERVE_OFFNODE_OVERLAP"] = "1"
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=360, cwd=ROOT, env=env)
     results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     planned = [int(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("# cases:")]
     return proc, results, planned
 
 
-def check(proc, results, planned, ranks, carrier, nodes, sizes="capacity"):
+def check(proc, results, planned, ranks, carrier, nodes, sizes="capacity", overlap=False):
     failures = [r for r in results if not r["ok"]]
     assert proc.returncode == 0 and not failures, explain(proc)
     assert planned and len(results) == ranks * planned[0], explain(proc)
     assert {(r["carrier"], r["nodes"]) for r in results} == {(carrier, nodes)}, results
     assert {r.get("sizes") for r in results} == {sizes}, results
+    assert {r.get("overlap") for r in results} == {overlap}, results
 
 
 # (ranks, ranks per node, carrier, all on one GPU)
@@ -87,6 +91,29 @@ def test_routed_sizes_are_bitwise_the_one_node_run(ranks, ranks_per_node, carrie
         pytest.skip("needs two GPUs")
     proc, results, planned = run_off_node(ranks, ranks_per_node, carrier, share_gpu, sizes="host")
     check(proc, results, planned, ranks, carrier, ranks // ranks_per_node, sizes="host")
+
+
+# (ranks, ranks per node, sizes, carrier, all on one GPU), with EPSERVE_OFFNODE_OVERLAP=1
+OVERLAP_CASES = [
+    pytest.param(2, 1, "capacity", "ipc", True, id="2-nodes-of-1-overlap"),
+    pytest.param(4, 2, "capacity", "ipc", True, id="2-nodes-of-2-overlap"),
+    pytest.param(2, 1, "host", "ipc", True, id="2-nodes-of-1-overlap-host-sizes"),
+    pytest.param(4, 2, "host", "ipc", True, id="2-nodes-of-2-overlap-host-sizes"),
+    pytest.param(2, 1, "capacity", "nccl", False, id="2-nodes-of-1-nccl-2-gpus-overlap"),
+]
+
+
+@pytest.mark.parametrize("ranks,ranks_per_node,sizes,carrier,share_gpu", OVERLAP_CASES)
+def test_send_under_gemm2_is_bitwise_the_one_node_run(ranks, ranks_per_node, sizes, carrier, share_gpu):
+    """EPSERVE_OFFNODE_OVERLAP=1: the fused combine's off-node rows leave on a side stream while
+    GEMM 2's overlap build (SMs left free, off-node m-tiles first, staged rows counted) runs;
+    the same bits as one node, fused and unfused, every fused call sent that way, GEMM 2's tile
+    order the model's, capture refused. The IPC test carrier on one shared GPU; NCCL on two."""
+    if not share_gpu and gpu_count() < 2:
+        pytest.skip("needs two GPUs")
+    proc, results, planned = run_off_node(ranks, ranks_per_node, carrier, share_gpu,
+                                          sizes=None if sizes == "capacity" else sizes, overlap=True)
+    check(proc, results, planned, ranks, carrier, ranks // ranks_per_node, sizes=sizes, overlap=True)
 
 
 def test_timing_job_runs_on_one_gpu():
