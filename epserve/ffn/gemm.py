@@ -11,6 +11,7 @@ import os
 import cupy
 import numpy as np
 
+from epserve.errors import ConfigError
 from epserve.ffn import overlap_gemm, tiles
 from epserve.runtime import kernels, tma
 from epserve.runtime.kernel_structs import PEER_SEND_CONFIG, i32, launch_arg
@@ -52,7 +53,7 @@ def gemm_impl() -> str:
     the fast one is checked against)."""
     impl = os.environ.get("EPSERVE_GEMM", "wgmma")
     if impl not in GEMM_IMPLS:
-        raise ValueError(f"EPSERVE_GEMM must be one of {GEMM_IMPLS}, got {impl!r}")
+        raise ConfigError(f"EPSERVE_GEMM must be one of {GEMM_IMPLS}, got {impl!r}")
     return impl
 
 

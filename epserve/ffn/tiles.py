@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import os
 
+from epserve.errors import ConfigError
+
 SPLIT_ENV = "EPSERVE_GEMM2_SPLIT_K"
 SPLIT_MODES = ("auto", "never", "always")
 TILE_ROWS, TILE_COLS, K_SLICE = 128, 256, 64
@@ -44,7 +46,7 @@ BY_RULE, ALWAYS = 0, 1
 def split_mode(override: str | None = None) -> str:
     mode = override or os.environ.get(SPLIT_ENV, "auto")
     if mode not in SPLIT_MODES:
-        raise ValueError(f"{SPLIT_ENV} must be one of {SPLIT_MODES}, got {mode!r}")
+        raise ConfigError(f"{SPLIT_ENV} must be one of {SPLIT_MODES}, got {mode!r}")
     return mode
 
 

@@ -48,7 +48,7 @@ from epserve.dispatch.host import Dispatcher
 from epserve.dispatch.host_plan import check_recv_capacity, count_recv_rows, plan_dispatch
 from epserve.dispatch.nccl import NcclDispatcher
 from epserve.errors import ConfigError, EPServeError, PeerTimeoutError
-from epserve.ffn import fp8_stage, gemm
+from epserve.ffn import fp8_stage, gemm, tiles
 from epserve.ffn.fp8_stage import FP8Buffers
 from epserve.runtime.kernel_structs import i32, u64
 from epserve.runtime.launch import LaunchSequence, Recording
@@ -115,7 +115,8 @@ class EPService:
 
         Raises, on every rank alike: RankMismatchError when the ranks' configs differ or
         world_size is not comm's size (before any CUDA call); ConfigError when the ranks'
-        placement is unusable (epserve/comm/topology.py) or, across nodes, the off-node carrier
+        placement is unusable (epserve/comm/topology.py), the grouped GEMM's settings
+        (EPSERVE_GEMM, EPSERVE_GEMM2_SPLIT_K) are unknown or differ, or, across nodes, the off-node carrier
         (EPSERVE_OFFNODE_CARRIER), sizes (EPSERVE_OFFNODE_SIZES) or overlap
         (EPSERVE_OFFNODE_OVERLAP, EPSERVE_OFFNODE_OVERLAP_SMS) are unknown or differ between
         ranks, also before any CUDA call, or the carrier cannot run here (nccl where ranks
@@ -133,6 +134,10 @@ class EPService:
         self._carrier = agree_carrier(self.comm, self.nodes)  # across nodes: the off-node carrier's name
         self._offnode_sizes = agree_sizes(self.comm, self.nodes.nodes)  # across nodes: "capacity" or "host"
         self._offnode_overlap = agree_overlap(self.comm, self.nodes.nodes)  # across nodes: free SMs, or None
+        # The grouped GEMM's settings (EPSERVE_GEMM, EPSERVE_GEMM2_SPLIT_K): a name that does not
+        # exist would otherwise raise mid-forward, after the dispatch has moved rows.
+        ep_comm.agree_choice(self.comm, gemm.gemm_impl, "EPSERVE_GEMM", "grouped GEMMs")
+        ep_comm.agree_choice(self.comm, tiles.split_mode, tiles.SPLIT_ENV, "GEMM 2 split modes")
         self.device = ep_comm.select_device(self.comm, device)
         self._closed = False
         self.group = PeerGroup(self.comm, self.nodes)  # IPC mappings inside this rank's node only

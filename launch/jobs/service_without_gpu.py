@@ -1,13 +1,14 @@
 """EPService on ranks that have no GPU (CI), up to the point where one is needed:
 
-    python launch/run.py -n 2 -- python -m mpi4py launch/jobs/service_without_gpu.py {agree|mismatch|two-nodes}
+    python launch/run.py -n 2 -- python -m mpi4py launch/jobs/service_without_gpu.py {agree|mismatch|two-nodes|gemm-setting}
 
 agree: every rank builds the same MoEConfig; EPService must fail on every rank at device
 selection with RankFailedError saying there is no GPU. mismatch: rank 1's config differs;
 every rank must raise RankMismatchError naming the field, before any CUDA call. two-nodes:
 EPSERVE_RANKS_PER_NODE=1 makes each rank a node of its own, and rank 1 names an unknown
 off-node carrier (EPSERVE_OFFNODE_CARRIER); every rank must raise ConfigError naming it, before
-any CUDA call. Each rank prints one line
+any CUDA call. gemm-setting: rank 0 names an unknown EPSERVE_GEMM2_SPLIT_K; every rank must
+raise ConfigError naming it, before any CUDA call. Each rank prints one line
 `rank R: <ExceptionClass>: <message>`."""
 
 import os
@@ -25,6 +26,8 @@ def main(mode: str) -> int:
         os.environ["EPSERVE_RANKS_PER_NODE"] = "1"
         if rank == 1:
             os.environ["EPSERVE_OFFNODE_CARRIER"] = "pigeon"
+    if mode == "gemm-setting" and rank == 0:
+        os.environ["EPSERVE_GEMM2_SPLIT_K"] = "sometimes"
     hidden = 512 if mode == "mismatch" and rank == 1 else 256
     cfg = MoEConfig(num_experts=8, top_k=2, hidden=hidden, intermediate=128, max_tokens_per_rank=64,
                     world_size=comm.Get_size())

@@ -191,6 +191,13 @@ def test_service_refuses_an_unknown_off_node_carrier_on_every_rank_before_any_cu
         assert line.startswith("ConfigError: rank 1: EPSERVE_OFFNODE_CARRIER='pigeon'"), line
 
 
+def test_service_refuses_an_unknown_gemm_setting_on_every_rank_before_any_cuda_call():
+    # A GEMM setting is read when GEMM 2's launches are built, after the dispatch has moved
+    # rows: setup checks it first, on every rank.
+    for line in service_lines("gemm-setting").values():
+        assert line.startswith("ConfigError: rank 0: EPSERVE_GEMM2_SPLIT_K must be one of"), line
+
+
 def test_service_without_a_gpu_fails_on_every_rank_at_device_selection():
     import importlib.util
 
