@@ -7,6 +7,7 @@
 #   bash launch/gpu_cycle.sh bench fuzz soak   # ~5-6 min
 #   bash launch/gpu_cycle.sh timing            # the GEMMs and the one-GPU combine, ~1 min
 #   bash launch/gpu_cycle.sh profile           # ncu: the wgmma GEMMs' L2/DRAM bytes per build, ~2 min
+#   bash launch/gpu_cycle.sh profile-fp8       # ncu: the FP8 GEMMs' clock, L2/DRAM bytes, stalls, ~1 min
 #   bash launch/gpu_cycle.sh layer             # issue 13's two-GPU timings: dispatch kernels, the
 #                                              # decode layer eager and from a graph, host time, ~2 min
 # bench runs one rank per GPU (on one GPU: one rank, no link); run, fuzz and soak take two
@@ -50,6 +51,14 @@ for s in "$@"; do
                    --kernel-name regex:epserve_grouped_gemm_wgmma --section SpeedOfLight --metrics \
 lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,dram__bytes_read.sum \
                    python3 launch/jobs/time_gemm.py --variants --routing balanced --skip-cublas --warmup 1 --iters 1 ;;
+        # The FP8 GEMMs (issue 16): the clock under load, L2 and DRAM bytes, warp stalls, for the
+        # dense run and both GEMMs at balanced and uniform routing (notes/gemm.md, "Where the FP8
+        # GEMMs stand").
+        profile-fp8) stage profile-fp8 "epserve_grouped|lts__|dram__|per_second|Throughput|Duration|No Eligible" \
+                   env PYTHONPATH=. ncu --clock-control none --kernel-name epserve_grouped_gemm_fp8 \
+                   --section SpeedOfLight --section WarpStateStats --section SchedulerStats --metrics \
+sm__cycles_elapsed.avg.per_second,lts__t_sectors_op_read.sum,dram__bytes_read.sum,dram__bytes_write.sum \
+                   python3 launch/jobs/time_gemm_fp8.py --routing balanced uniform --skip-bf16 --warmup 0 --iters 1 ;;
         # Issue 13 on two GPUs: the dispatch (<= 300 us at dsv3-prefill 4096), the decode layer
         # replayed from a graph (<= 2.9 ms, eager within 5%), and forward's host time (<= 50 us).
         layer) share=$([ "$gpus" -ge 2 ] || echo --share-gpu)
@@ -60,7 +69,7 @@ lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,dram__bytes_read.sum \
                    --timeout 120 -- python3 -m mpi4py launch/jobs/time_graph.py --preset dsv3-decode --tokens 128
                stage layer-host "^#|^forward|^dispatch|Error" env PYTHONPATH=. python3 launch/run.py -n 2 $share \
                    --timeout 120 -- python3 -m mpi4py launch/jobs/host_profile.py --tokens 128 --calls 20 --top 12 ;;
-        *) echo "unknown stage $s (test run timing bench fuzz soak sanitize profile layer)"; status=1 ;;
+        *) echo "unknown stage $s (test run timing bench fuzz soak sanitize profile profile-fp8 layer)"; status=1 ;;
     esac
 done
 exit $status
