@@ -48,6 +48,12 @@ class LayerInputs:
     w13: np.ndarray           # [E_loc, 2I, H] bf16
     w2: np.ndarray            # [E_loc, H, I] bf16
 
+    def on_device(self) -> tuple:
+        """(x, topk_idx, topk_weights, w13, w2) as CuPy arrays on the current device."""
+        import cupy
+
+        return tuple(cupy.asarray(a) for a in (self.x, self.topk_idx, self.topk_weights, self.w13, self.w2))
+
 
 def layer_inputs(seed: int, tokens_per_rank, num_experts: int, top_k: int, hidden: int, intermediate: int, *,
                  zipf: float = 0.0, unused: float = 0.0, experts=None, with_weights: bool = True) -> list[LayerInputs]:

@@ -112,7 +112,7 @@ class Combiner:
         cfg = self.send_config(self._sink_src_info(plan, after_direct), status)
         # The rows this rank expects back-of-envelope, what it sent (T x k): the GEMM's build
         # (epserve/ffn/tiles.py) is chosen by them; act is capacity-sized.
-        rows = topk_idx.shape[0] * topk_idx.shape[1]
+        rows = topk_idx.size
         # Across nodes with EPSERVE_OFFNODE_OVERLAP=1: GEMM 2's overlap build, whose off-node rows
         # leave on a side stream while it runs (epserve/comm/off_node_overlap.py).
         under = self.off_node is not None and self.off_node.overlap is not None and overlap_supported(act)

@@ -80,10 +80,11 @@ def grouped_gemm_specs(sink: str, A, B, C, expert_offsets, num_experts: int, N: 
     assert K % 64 == 0 and K > 0 and N % 64 == 0, (N, K)
     impl = impl or gemm_impl()
     device = cupy.cuda.runtime.getDevice()
+    expected_rows = A.shape[0] if rows is None else rows
     if overlap_free_sms is not None:
         assert sink == "peer" and impl == "wgmma", "the overlap build is the wgmma GEMM's, with the peer sink"
         ctas = overlap_gemm.overlap_grid(sm_count(device), overlap_free_sms)
-        policy = tiles.gemm2_split_policy(A.shape[0] if rows is None else rows, num_experts, N, K, ctas, split)
+        policy = tiles.gemm2_split_policy(expected_rows, num_experts, N, K, ctas, split)
         variant = "gemm_wgmma_peer_overlap" if policy is None else "gemm_wgmma_peer_split_overlap"
         return _overlap_specs(variant, A, B, C, expert_offsets, num_experts, N, K, cfg, gate, policy or 0,
                               overlap_free_sms)
@@ -92,7 +93,7 @@ def grouped_gemm_specs(sink: str, A, B, C, expert_offsets, num_experts: int, N: 
         args = (pointer(A), pointer(B), pointer(C), pointer(expert_offsets), i32(num_experts), i32(N), i32(K), cfg,
                 i32(gate))
         return [(fn, (sm_count(device),), (threads,), args, smem)]
-    policy = tiles.gemm2_split_policy(A.shape[0] if rows is None else rows, num_experts, N, K, sm_count(device), split)
+    policy = tiles.gemm2_split_policy(expected_rows, num_experts, N, K, sm_count(device), split)
     variant = f"gemm_wgmma_{sink}" if policy is None else f"gemm_wgmma_{sink}_split"
     return _wgmma_specs(variant, A, B, num_experts * N, C, expert_offsets, num_experts, N, K, cfg, gate,
                         split_policy=policy or 0)

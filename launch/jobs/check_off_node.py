@@ -60,8 +60,7 @@ def run_calls(svc, comm, calls, E, k, H, I, opts, seed):
     for n, call in enumerate(calls):
         inputs = layer_inputs(seed + n, tokens_for(call, world), E, k, H, I, **opts)
         me = inputs[rank]
-        x, idx, w = cupy.asarray(me.x), cupy.asarray(me.topk_idx), cupy.asarray(me.topk_weights)
-        w13, w2 = cupy.asarray(me.w13), cupy.asarray(me.w2)
+        x, idx, w, w13, w2 = me.on_device()
         T = x.shape[0]
         used = cupy.asnumpy(idx) >= 0
         out = cupy.full((T, H), np.nan, BF16)  # poisoned: every element must be overwritten

@@ -96,8 +96,7 @@ def run_shape(comm, name, H, I, E, k, calls, opts, seed):
         for n, call in enumerate(calls):
             inputs = layer_inputs(seed + n, tokens_for(call, world), E, k, H, I, **opts)
             me = inputs[rank]
-            x, idx, w = cupy.asarray(me.x), cupy.asarray(me.topk_idx), cupy.asarray(me.topk_weights)
-            w13, w2 = cupy.asarray(me.w13), cupy.asarray(me.w2)
+            x, idx, w, w13, w2 = me.on_device()
             T = x.shape[0]
             out = cupy.full((T, H), np.nan, BF16)  # poisoned: every element must be overwritten
             fused = svc.forward(x, idx, w, w13, w2, sink="peer", dispatch="direct", out=out)

@@ -79,8 +79,7 @@ def run_case(svc, case, rank) -> list[str]:
     """This rank's failures on one case (empty when it passed)."""
     inputs = case.inputs()
     me = inputs[rank]
-    x, idx, w = cupy.asarray(me.x), cupy.asarray(me.topk_idx), cupy.asarray(me.topk_weights)
-    w13, w2 = cupy.asarray(me.w13), cupy.asarray(me.w2)
+    x, idx, w, w13, w2 = me.on_device()
     if case.expert_dtype == "fp8":  # one FP8Weights holds both projections (w2 None)
         w13, w2 = quantize_weights(w13, w2), None
     T, H = me.x.shape
