@@ -20,6 +20,8 @@ enum ErrorCode : int {
   kRecvOverflow = 10,        // verdict: rank `peer` would receive `detail` rows, over max_recv_rows
   kOffNodeCarrierTimeout = 11,  // the IPC test carrier waited for rank `peer` to post (detail 0) or take (1) a group
   kOffNodeRowsTimeout = 12,     // across nodes, overlap: GEMM 2 never staged `detail` units more for home `peer`
+  kOffNodeRelayTimeout = 13,    // across nodes, relay: rank `peer`'s rows never reached this rank (detail 0: its
+                                // dispatch rows, relayed; 1: its combine rows, to relay on)
 };
 
 // A call's status on this rank (int[2], local), written fresh by the dispatch layout kernel

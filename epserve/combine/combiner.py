@@ -121,7 +121,8 @@ class Combiner:
                             overlap_free_sms=self.off_node.overlap.free_sms if under else None)
         return self._reduce(topk_idx, topk_weights, out, wait=True, status=status, before=specs,
                             key="fused-overlap" if under else "fused", armed=armed, after_direct=after_direct,
-                            send_under=(cfg, plan.expert_offsets) if under else None)
+                            send_under=(cfg, plan.expert_offsets) if under else None,
+                            staged=(cfg, plan.expert_offsets))
 
     def stand_in(self, status=None, off_node: bool = True, after_direct: bool = False) -> None:
         """This rank's part of a combine it has no tokens for (its input was rejected): the
@@ -131,7 +132,8 @@ class Combiner:
         self.epoch += 1
         if self.off_node is not None and off_node:  # the carrier's groups are collective: take part with no tokens
             self.off_node.exchange_combine(None, 0, self.top_k, self.hidden, self.experts_per_rank, self.recv, status,
-                                           compact=self.off_node.compact_returns(after_direct))
+                                           compact=self.off_node.compact_returns(after_direct),
+                                           rows=(self.send_config(None, status), None))
         self._launches.run("stand-in", [launchers.release_recv_spec(self._ready_table, self.rank)])
 
     def unfused(self, C, plan: DevicePlan, topk_idx, topk_weights, out=None, status=None, after_direct: bool = False):
@@ -140,9 +142,10 @@ class Combiner:
         self.epoch += 1
         M, row_bytes = plan.num_recv_rows, self.hidden * 2
         if self.transport == "ipc" or not hasattr(plan, "host"):  # no host plan: C's rows by the IPC push
-            row_moves.push_rows_to_peers(C, M, self.hidden,
-                                         self.send_config(self._sink_src_info(plan, after_direct), status))
-            return self._reduce(topk_idx, topk_weights, out, wait=True, status=status, after_direct=after_direct)
+            cfg = self.send_config(self._sink_src_info(plan, after_direct), status)
+            row_moves.push_rows_to_peers(C, M, self.hidden, cfg)
+            return self._reduce(topk_idx, topk_weights, out, wait=True, status=status, after_direct=after_direct,
+                                staged=(cfg, plan.expert_offsets))
         h = plan.host
         packed = cupy.empty_like(C)
         row_moves.copy_rows(packed, C, None, plan.combine_pack_idx, M, row_bytes)
@@ -161,13 +164,15 @@ class Combiner:
         return self._reduce(topk_idx, topk_weights, out, wait=False, status=nccl_path.status)
 
     def _reduce(self, topk_idx, topk_weights, out, *, wait: bool, status=None, before=(), key="reduce",
-                armed: bool = False, after_direct: bool = False, send_under=None):
+                armed: bool = False, after_direct: bool = False, send_under=None, staged=None):
         """The reduction into out (made when None), after the launches in `before`; every
         launch of the call goes through one prepared LaunchSequence entry per (key, T). A
         waiting reduction arms its expected arrivals first, unless the dispatch `armed` them.
         after_direct: as fused's. send_under: (GEMM 2's PeerSendConfig, expert_offsets) when
         `before` holds GEMM 2's overlap build: the off-node send then runs on a side stream
-        under it (forked before `before`, joined before the land)."""
+        under it (forked before `before`, joined before the land). staged: (the PeerSendConfig the
+        rows bound off-node were staged with, the call's expert_offsets), which the relay route
+        walks (epserve/comm/off_node_relay.py)."""
         T = topk_idx.shape[0]
         if out is None:
             out = cupy.empty((T, self.hidden), self.dtype)
@@ -187,7 +192,7 @@ class Combiner:
                                            status, compact)
             else:
                 self.off_node.exchange_combine(topk_idx, T, self.top_k, self.hidden, self.experts_per_rank,
-                                               self.recv, status, compact=compact)
+                                               self.recv, status, compact=compact, rows=staged)
             specs = []
         specs.append(launchers.combine_reduce_spec(self.recv, topk_idx, topk_weights, out, T, self.top_k, self.hidden,
                                                    self.world, s.local(sig.ARRIVE), s.local(sig.EXPECTED),

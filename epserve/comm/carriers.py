@@ -4,6 +4,8 @@ grouped point-to-point calls:
 
     buf = carrier.staging(nbytes)              collective: a send-side staging buffer, the same
                                                size on every rank (allocated in the same order)
+    carrier.node_staging(nbytes)               collective: the same, also mapped into this node's
+                                               ranks (they store into it: the relay, off_node_relay.py)
     carrier.exchange(sends, recvs, status)     one group on the current stream: each Send gives
                                                bytes of this rank's staging to a peer, each Recv
                                                takes a peer's bytes into a local address
@@ -82,11 +84,16 @@ class NcclCarrier:
 
     name = "nccl"
 
-    def __init__(self, nccl_comm):
-        self.comm = nccl_comm
+    def __init__(self, nccl_comm, group=None):
+        self.comm, self.group = nccl_comm, group
 
     def staging(self, nbytes: int) -> LocalStaging:
         return LocalStaging(nbytes)
+
+    def node_staging(self, nbytes: int):
+        """Collective: staging that this node's ranks also store into (CUDA IPC inside the node;
+        EPSERVE_OFFNODE_ROUTE=relay's combine relay area)."""
+        return self.group.allocate(max(16, nbytes))
 
     def exchange(self, sends, recvs, status=None) -> None:
         from cupy.cuda import nccl
@@ -136,6 +143,10 @@ class IpcTestCarrier:
         """Collective: staging mapped into every rank (the receivers copy from it)."""
         return self.group.allocate(max(16, nbytes), every_rank=True)
 
+    def node_staging(self, nbytes: int):
+        """Collective: staging this node's ranks store into too (this carrier's maps every rank)."""
+        return self.staging(nbytes)
+
     def _tables(self, sends, recvs):
         key = (tuple(sends), tuple(recvs))
         tables = self._groups.get(key)
@@ -175,7 +186,7 @@ def make_carrier(name: str, *, group, nccl_comm, shared_gpu: bool, hosts_differ:
         if shared_gpu or nccl_comm is None:
             raise ConfigError(f"{CARRIER_ENV}=nccl: NCCL cannot run between ranks that share a GPU; on one GPU, "
                               f"{CARRIER_ENV}=ipc is the test carrier that imitates the network over CUDA IPC")
-        return NcclCarrier(nccl_comm)
+        return NcclCarrier(nccl_comm, group)
     if hosts_differ:
         raise ConfigError(f"{CARRIER_ENV}=ipc is a test carrier over CUDA IPC: it cannot reach ranks on other "
                           "hosts; use nccl")

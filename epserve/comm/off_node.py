@@ -57,6 +57,7 @@ import numpy as np
 from epserve.comm import off_node_overlap
 from epserve.comm import signals as sig
 from epserve.comm.carriers import Recv, Send
+from epserve.comm.off_node_relay import Relay
 from epserve.comm.off_node_sizes import OffNodeSizes, sizes_from_count_rows
 from epserve.comm.topology import NodeLayout
 from epserve.errors import PeerTimeoutError
@@ -237,9 +238,10 @@ class OffNode:
     sizes = "capacity"
     _last = None  # OffNodeSizes of the latest direct dispatch (sizes "host")
     overlap = None  # off_node_overlap.OverlappedSend with EPSERVE_OFFNODE_OVERLAP=1
+    relay = None  # off_node_relay.Relay with EPSERVE_OFFNODE_ROUTE=relay
 
     def __init__(self, plan: OffNodePlan, carrier, signals, wait_timeout_s: float, sizes: str = "capacity",
-                 max_recv_rows: int = 0, overlap_free_sms: int | None = None):
+                 max_recv_rows: int = 0, overlap_free_sms: int | None = None, route: str = "direct", group=None):
         self.plan, self.carrier, self.signals = plan, carrier, signals
         self.rank, self.world = plan.rank, plan.world
         self.timeout_ns = int(wait_timeout_s * 1e9)
@@ -263,6 +265,9 @@ class OffNode:
         self._dispatch = None  # the direct dispatcher's buffers (bind_dispatch)
         # EPSERVE_OFFNODE_OVERLAP=1: the combine's send under GEMM 2 (epserve/comm/off_node_overlap.py)
         self.overlap = None if overlap_free_sms is None else off_node_overlap.OverlappedSend(self, overlap_free_sms)
+        # EPSERVE_OFFNODE_ROUTE=relay: along the rails, then over NVLink (epserve/comm/off_node_relay.py)
+        self.route = route
+        self.relay = Relay(self, group) if route == "relay" else None
 
     @property
     def host_sizes(self) -> bool:
@@ -298,8 +303,12 @@ class OffNode:
         return self._combine_staging.ptr
 
     # ---- the dispatch
-    def exchange_counts(self, count_table: int) -> None:
-        """After count + publish: the count rows cross, then count as arrived."""
+    def exchange_counts(self, count_table: int, cfg=None) -> None:
+        """After count + publish: the count rows cross, then count as arrived. cfg: the direct
+        dispatch's DispatchConfig (the relay's launch needs it)."""
+        if self.relay is not None:
+            self.relay.exchange_counts(self._dispatch_staging, count_table, cfg)
+            return
         key = ("counts", count_table)
         if key not in self._groups:
             self._groups[key] = self.plan.count_group(self._dispatch_staging, count_table)
@@ -337,9 +346,15 @@ class OffNode:
                                            p.top_k)
         return self._last
 
-    def exchange_rows(self, tokens: int, meta: int, status, sizes: OffNodeSizes | None = None) -> None:
+    def exchange_rows(self, tokens: int, meta: int, status, sizes: OffNodeSizes | None = None, cfg=None,
+                      expert_offsets=None, experts_per_rank: int = 0) -> None:
         """After the move kernel: the token and routing blocks cross, whole, or with `sizes`
-        (await_sizes) the routed rows only."""
+        (await_sizes) the routed rows only. With the relay (cfg, expert_offsets and
+        experts_per_rank: the direct dispatch's), along the rails and on to the node's ranks,
+        then this rank's wait for its own."""
+        if self.relay is not None:
+            self.relay.exchange_rows(self._dispatch_staging, cfg, status, expert_offsets, experts_per_rank)
+            return
         if sizes is not None:
             self.carrier.exchange(*self.plan.rows_group(self._dispatch_staging, tokens, meta, sizes), status=status)
             return
@@ -370,11 +385,18 @@ class OffNode:
 
     # ---- the combine
     def exchange_combine(self, topk_idx, T: int, k: int, H: int, experts_per_rank: int, recv, status,
-                         compact: bool = False) -> None:
+                         compact: bool = False, rows=None) -> None:
         """After GEMM 2 (or the IPC push): each staged recv copy to its home, then the landing
         of this rank's slots served on other nodes into recv, counted in arrive. compact
         (compact_returns): the return blocks hold the routed rows only, in the sizes of the
-        latest direct dispatch, and land by their compact positions."""
+        latest direct dispatch, and land by their compact positions. rows: (the PeerSendConfig
+        the rows were staged with, the call's expert_offsets or None for a rank standing in),
+        which the relay walks."""
+        if self.relay is not None:
+            send_cfg, expert_offsets = rows
+            self.relay.exchange_combine(send_cfg, expert_offsets, experts_per_rank, int(self._landing.ptr), status)
+            self.land_combine(topk_idx, T, k, H, experts_per_rank, recv, status)
+            return
         if compact:
             if self._last is None:
                 raise RuntimeError("a compact combine before any direct dispatch with EPSERVE_OFFNODE_SIZES=host")
@@ -450,10 +472,11 @@ def agree_carrier(comm, layout: NodeLayout) -> str | None:
 def make_off_node(comm, group, signals, layout: NodeLayout, carrier: str | None, *, num_experts: int, top_k: int,
                   hidden: int, combine_hidden: int, max_tokens: int, wait_timeout_s: float, nccl_comm,
                   shared_gpu: bool, sizes: str | None = None, max_recv_rows: int = 0,
-                  overlap_free_sms: int | None = None):
+                  overlap_free_sms: int | None = None, route: str | None = None):
     """Collective, at setup: None on one node (carrier None), else this rank's OffNode with
-    that carrier (agree_carrier), sizes (off_node_sizes.agree_sizes; None: "capacity") and
-    overlap (off_node_overlap.agree_overlap: the SMs GEMM 2 leaves free, or None);
+    that carrier (agree_carrier), sizes (off_node_sizes.agree_sizes; None: "capacity"),
+    overlap (off_node_overlap.agree_overlap: the SMs GEMM 2 leaves free, or None) and route
+    (off_node_relay.agree_route; None: "direct");
     ConfigError on every rank when it cannot run here."""
     import socket
 
@@ -465,4 +488,5 @@ def make_off_node(comm, group, signals, layout: NodeLayout, carrier: str | None,
     impl = make_carrier(carrier, group=group, nccl_comm=nccl_comm, shared_gpu=shared_gpu, hosts_differ=hosts_differ,
                         error_ptr=signals.local(sig.ERROR), timeout_ns=int(wait_timeout_s * 1e9))
     plan = OffNodePlan(layout, comm.Get_rank(), num_experts, top_k, hidden, combine_hidden, max_tokens)
-    return OffNode(plan, impl, signals, wait_timeout_s, sizes or "capacity", max_recv_rows, overlap_free_sms)
+    return OffNode(plan, impl, signals, wait_timeout_s, sizes or "capacity", max_recv_rows, overlap_free_sms,
+                   route or "direct", group)

@@ -81,8 +81,14 @@ _CODES = {
     12: ("off-node-send", PeerTimeoutError,
          "the off-node send waited for GEMM 2 to stage its rows for rank {peer}, in vain ({detail} 64-column "
          "units missing): GEMM 2 is stuck, or slower than twice wait_timeout_s"),
+    # EPSERVE_OFFNODE_ROUTE=relay (cuda/comm/off_node_relay.cu): rows forwarded by a node's rank
+    13: ("off-node-relay", PeerTimeoutError,
+         "waited for {detail_text} of rank {peer}, in vain: rank {peer}, or the rank of this node that relays "
+         "for it, is dead, stuck or slower than wait_timeout_s"),
 }
-_DETAIL_TEXT = {11: ("post its rows", "take the rows posted to it")}
+_DETAIL_TEXT = {11: ("post its rows", "take the rows posted to it"),
+                13: ("the dispatch rows (relayed by this node's rank of its local index)",
+                     "the combine rows to relay")}
 
 
 class SignalBlock:

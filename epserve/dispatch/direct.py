@@ -206,12 +206,13 @@ class DirectDispatcher:
         # for the compact return (epserve/comm/off_node_sizes.py).
         off = self.off_node
         self.launches.run((T, rejected, "count"), specs[:1])
-        off.exchange_counts(self._table.ptr)
+        off.exchange_counts(self._table.ptr, cfg)
         if off.host_sizes:
             off.counts_to_host(self._table.ptr)
         self.launches.run((T, rejected, arm_combine is not None, "move"), specs[1:])
         sizes = off.await_sizes() if off.host_sizes else None
-        off.exchange_rows(self._tokens.ptr, self._meta.ptr, self.status, sizes)
+        off.exchange_rows(self._tokens.ptr, self._meta.ptr, self.status, sizes, cfg, self.expert_offsets,
+                          self.E // self.world)
         expand = [off.expand_spec(cfg, self._base, self.rows, self.src_info, self.expert_offsets, self.expand_blocks)]
         if off.host_sizes:
             expand.append(off.return_slots_spec(self.src_info, self.expert_offsets, self._base, self._table.ptr,

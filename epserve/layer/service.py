@@ -37,6 +37,7 @@ from epserve.comm import signals as sig
 from epserve.comm.nccl import gpus_shared, make_nccl
 from epserve.comm.off_node import agree_carrier, make_off_node
 from epserve.comm.off_node_overlap import OVERLAP_ENV, agree_overlap
+from epserve.comm.off_node_relay import agree_route
 from epserve.comm.off_node_sizes import SIZES_ENV, agree_sizes
 from epserve.comm.peers import PeerGroup
 from epserve.comm.signals import SignalBlock
@@ -117,10 +118,11 @@ class EPService:
         world_size is not comm's size (before any CUDA call); ConfigError when the ranks'
         placement is unusable (epserve/comm/topology.py), the grouped GEMM's settings
         (EPSERVE_GEMM, EPSERVE_GEMM2_SPLIT_K) are unknown or differ, or, across nodes, the off-node carrier
-        (EPSERVE_OFFNODE_CARRIER), sizes (EPSERVE_OFFNODE_SIZES) or overlap
-        (EPSERVE_OFFNODE_OVERLAP, EPSERVE_OFFNODE_OVERLAP_SMS) are unknown or differ between
-        ranks, also before any CUDA call, or the carrier cannot run here (nccl where ranks
-        share a GPU); RankFailedError naming each
+        (EPSERVE_OFFNODE_CARRIER), sizes (EPSERVE_OFFNODE_SIZES), overlap
+        (EPSERVE_OFFNODE_OVERLAP, EPSERVE_OFFNODE_OVERLAP_SMS) or route (EPSERVE_OFFNODE_ROUTE) are
+        unknown or differ between ranks, or the relay route meets a setting it does not serve,
+        also before any CUDA call, or the carrier cannot run here (nccl where ranks share a
+        GPU); RankFailedError naming each
         rank that has no usable GPU or failed to allocate or map a buffer. MPI must be
         running: started without mpirun/mpiexec, the communicator has one rank.
         """
@@ -134,6 +136,8 @@ class EPService:
         self._carrier = agree_carrier(self.comm, self.nodes)  # across nodes: the off-node carrier's name
         self._offnode_sizes = agree_sizes(self.comm, self.nodes.nodes)  # across nodes: "capacity" or "host"
         self._offnode_overlap = agree_overlap(self.comm, self.nodes.nodes)  # across nodes: free SMs, or None
+        # across nodes: "direct" or "relay" (along the rails, then over NVLink)
+        self._offnode_route = agree_route(self.comm, self.nodes.nodes, self._offnode_sizes, self._offnode_overlap)
         # The grouped GEMM's settings (EPSERVE_GEMM, EPSERVE_GEMM2_SPLIT_K): a name that does not
         # exist would otherwise raise mid-forward, after the dispatch has moved rows.
         ep_comm.agree_choice(self.comm, gemm.gemm_impl, "EPSERVE_GEMM", "grouped GEMMs")
@@ -158,7 +162,7 @@ class EPService:
                                       max_tokens=c.max_tokens_per_rank, wait_timeout_s=c.wait_timeout_s,
                                       nccl_comm=self.nccl, shared_gpu=self.shared_gpu,
                                       sizes=self._offnode_sizes, max_recv_rows=c.recv_rows_capacity,
-                                      overlap_free_sms=self._offnode_overlap)
+                                      overlap_free_sms=self._offnode_overlap, route=self._offnode_route)
         self.direct = DirectDispatcher(self.group, self.signals, num_experts=c.num_experts, top_k=c.top_k,
                                        hidden=width, max_tokens=c.max_tokens_per_rank,
                                        max_recv_rows=c.recv_rows_capacity, wait_timeout_s=c.wait_timeout_s, dtype=BF16,

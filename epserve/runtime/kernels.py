@@ -18,6 +18,7 @@ SWIGLU_SOURCE = "ffn/swiglu.cu"
 DISPATCH_SOURCE = "comm/dispatch.cu"
 STAGING_SOURCE = "comm/staging.cu"  # across nodes: around the off-node carrier, and the IPC test carrier
 OFF_NODE_OVERLAP_SOURCE = "comm/off_node_overlap.cu"  # across nodes: the combine's send under GEMM 2
+OFF_NODE_RELAY_SOURCE = "comm/off_node_relay.cu"  # across nodes: along the rails, then over NVLink
 # Across nodes with EPSERVE_OFFNODE_OVERLAP=1: GEMM 2's sink also counts the rows it staged for
 # each off-node home, and the tiles of m-tiles holding such rows go first (a permutation).
 OVERLAP = {"EPSERVE_SINK": "EpPeerSinkCountingOffNode", "EPSERVE_GEMM_OFFNODE_FIRST": 1}
@@ -55,6 +56,7 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     "dispatch_quantize": (DISPATCH_SOURCE, {"EPSERVE_DISPATCH_QUANTIZE": 1}),
     "staging": (STAGING_SOURCE, {}),
     "off_node_overlap": (OFF_NODE_OVERLAP_SOURCE, {}),
+    "off_node_relay": (OFF_NODE_RELAY_SOURCE, {}),
 }
 
 

@@ -104,7 +104,8 @@ def run_shape(comm, name, H, I, E, k, calls, opts, seed, ranks_per_node, referen
     with EPService(cfg, comm) as svc:
         info.update(nodes=svc.nodes.nodes, carrier=svc.off_node and svc.off_node.carrier.name,
                     transport=svc.transport, sizes=svc.off_node and svc.off_node.sizes,
-                    overlap=bool(svc.off_node and svc.off_node.overlap))
+                    overlap=bool(svc.off_node and svc.off_node.overlap),
+                    route=svc.off_node and svc.off_node.route)
         if svc.off_node is None:
             return [f"EPSERVE_RANKS_PER_NODE={ranks_per_node} gave one node"], info
         many, first = run_calls(svc, comm, calls, E, k, H, I, opts, seed)

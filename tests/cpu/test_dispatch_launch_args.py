@@ -206,8 +206,8 @@ def test_direct_launches_across_nodes_match_their_kernels(ptx, fakes, monkeypatc
     carried = []
     fake = types.SimpleNamespace(
         host_sizes=False,
-        exchange_counts=lambda table: carried.append("counts"),
-        exchange_rows=lambda tokens, meta, status, sizes=None: carried.append("rows"),
+        exchange_counts=lambda table, cfg: carried.append("counts"),
+        exchange_rows=lambda tokens, meta, status, sizes, cfg, offsets, e_loc: carried.append("rows"),
         expand_spec=lambda *a: off_mod.OffNode.expand_spec(None, *a))
     d = direct_dispatcher(True, own_in_send=False)
     d.off_node, d.status = fake, Device()
@@ -238,10 +238,10 @@ def test_direct_launches_with_sizes_through_the_host(ptx, fakes, monkeypatch, tm
     o = off_mod.OffNode.__new__(off_mod.OffNode)
     o.plan = off_mod.OffNodePlan(NodeLayout(4, 2), 1, E, K, H, H, T)
     o.rank, o.world, o.sizes, o.sink_src_info = 1, 4, "host", Device()
-    o.exchange_counts = lambda table: events.append("counts")
+    o.exchange_counts = lambda table, cfg: events.append("counts")
     o.counts_to_host = lambda table: events.append("to host")
     o.await_sizes = lambda: events.append(("wait", len(d.launches.specs))) or "sizes"
-    o.exchange_rows = lambda tokens, meta, status, sizes=None: events.append(("rows", sizes))
+    o.exchange_rows = lambda tokens, meta, status, sizes, cfg, offsets, e_loc: events.append(("rows", sizes))
     d = direct_dispatcher(True, own_in_send=False)
     d.off_node, d.status = o, Device()
     d._table = d._tokens = d._meta = types.SimpleNamespace(ptr=0x2000)

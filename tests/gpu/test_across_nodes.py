@@ -28,7 +28,7 @@ def explain(proc):
 
 
 def run_off_node(ranks: int, ranks_per_node: int, carrier: str, share_gpu: bool, shapes: int | None = None,
-                 sizes: str | None = None, overlap: bool = False):
+                 sizes: str | None = None, overlap: bool = False, route: str | None = None):
     cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "-n", str(ranks), "--timeout", "300"]
     cmd += ["--share-gpu"] if share_gpu else []
     cmd += ["--", sys.executable, "-m", "mpi4py", str(ROOT / "launch" / "jobs" / "check_off_node.py"),
@@ -38,6 +38,9 @@ def run_off_node(ranks: int, ranks_per_node: int, carrier: str, share_gpu: bool,
     env.pop("EPSERVE_RANKS_PER_NODE", None)  # the job sets it itself, after its one-node run
     env.pop("EPSERVE_OFFNODE_SIZES", None)
     env.pop("EPSERVE_OFFNODE_OVERLAP", None)
+    env.pop("EPSERVE_OFFNODE_ROUTE", None)
+    if route:
+        env["EPSERVE_OFFNODE_ROUTE"] = route
     if sizes:
         env["EPSERVE_OFFNODE_SIZES"] = sizes
     if overlap:
@@ -48,13 +51,14 @@ def run_off_node(ranks: int, ranks_per_node: int, carrier: str, share_gpu: bool,
     return proc, results, planned
 
 
-def check(proc, results, planned, ranks, carrier, nodes, sizes="capacity", overlap=False):
+def check(proc, results, planned, ranks, carrier, nodes, sizes="capacity", overlap=False, route="direct"):
     failures = [r for r in results if not r["ok"]]
     assert proc.returncode == 0 and not failures, explain(proc)
     assert planned and len(results) == ranks * planned[0], explain(proc)
     assert {(r["carrier"], r["nodes"]) for r in results} == {(carrier, nodes)}, results
     assert {r.get("sizes") for r in results} == {sizes}, results
     assert {r.get("overlap") for r in results} == {overlap}, results
+    assert {r.get("route") for r in results} == {route}, results
 
 
 # (ranks, ranks per node, carrier, all on one GPU)
@@ -114,6 +118,35 @@ def test_send_under_gemm2_is_bitwise_the_one_node_run(ranks, ranks_per_node, siz
     proc, results, planned = run_off_node(ranks, ranks_per_node, carrier, share_gpu,
                                           sizes=None if sizes == "capacity" else sizes, overlap=True)
     check(proc, results, planned, ranks, carrier, ranks // ranks_per_node, sizes=sizes, overlap=True)
+
+
+# (ranks, ranks per node, carrier, all on one GPU, service shapes), with EPSERVE_OFFNODE_ROUTE=relay
+RELAY_CASES = [
+    pytest.param(2, 1, "ipc", True, None, id="2-nodes-of-1-relay"),
+    pytest.param(4, 2, "ipc", True, None, id="2-nodes-of-2-relay"),
+    pytest.param(8, 2, "ipc", True, 1, id="4-nodes-of-2-relay"),
+    pytest.param(8, 4, "ipc", True, 1, id="2-nodes-of-4-relay"),
+    pytest.param(4, 2, "ipc", False, None, id="2-nodes-of-2-relay-2-gpus"),
+    pytest.param(2, 1, "nccl", False, None, id="2-nodes-of-1-nccl-2-gpus-relay"),
+]
+
+
+@pytest.mark.parametrize("ranks,ranks_per_node,carrier,share_gpu,shapes", RELAY_CASES)
+def test_relay_through_rail_peers_is_bitwise_the_one_node_run(ranks, ranks_per_node, carrier, share_gpu, shapes):
+    """EPSERVE_OFFNODE_ROUTE=relay: each rank talks across nodes only to the ranks of its local
+    index (one transfer per node pair and rail), which forward over IPC inside their node; the
+    same bits as one node, fused and unfused, and the bad inputs still stop every rank."""
+    if not share_gpu and gpu_count() < 2:
+        pytest.skip("needs two GPUs")
+    proc, results, planned = run_off_node(ranks, ranks_per_node, carrier, share_gpu, shapes=shapes, route="relay")
+    check(proc, results, planned, ranks, carrier, ranks // ranks_per_node, route="relay")
+
+
+def test_relay_refuses_the_settings_it_does_not_serve():
+    """EPSERVE_OFFNODE_ROUTE=relay with EPSERVE_OFFNODE_SIZES=host: every rank refuses at setup."""
+    proc, results, _ = run_off_node(2, 1, "ipc", True, shapes=1, sizes="host", route="relay")
+    assert proc.returncode != 0 or any(not r["ok"] for r in results), explain(proc)
+    assert "EPSERVE_OFFNODE_ROUTE=relay serves the capacity blocks" in proc.stdout + proc.stderr, explain(proc)
 
 
 def test_timing_job_runs_on_one_gpu():

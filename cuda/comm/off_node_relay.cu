@@ -1,0 +1,239 @@
+// Across nodes through the rail peer (EPSERVE_OFFNODE_ROUTE=relay; docs/design.md, "Across
+// nodes", "Relay through the rail peer"; epserve/comm/off_node_relay.py): one transfer per pair
+// of ranks with the same local index on two nodes (a "rail"), then the forwarding over NVLink
+// inside the node, as DeepEP's internode kernels do. Rank r = a * R + l sends everything for
+// node b to b's rank of local index l; that rank stores it where r's direct stores would have
+// put it in its node's ranks, so every slot, src_info and reduction order is the one-node run's.
+//
+//   epserve_relay_count_rows     after the carrier landed each rail source's count row in this
+//                                rank's table: the row into every node rank's table (IPC), and
+//                                count_arrive[source] += 1 in each (the layouts' wait)
+//   epserve_relay_token_blocks   after the carrier landed each rail source's R token blocks
+//                                (one per rank of this node) in the relay area: each block's
+//                                routed rows and routing into its rank's token regions at the
+//                                source's block (IPC); then relay_arrive[source] += 1 in each
+//   epserve_relay_rows_wait      before the off-node expand: every other node's source relayed
+//                                to this rank (bounded)
+//   epserve_relay_combine_rows   after GEMM 2 (or the IPC push) staged the rows of off-node
+//                                homes: each row into the combine relay area of the home's rail
+//                                peer on this node (IPC), at (home's node, this owner), slot
+//                                (t, j); then combine_relay[owner] += 1 in every node rank
+//   epserve_relay_combine_wait   before the combine's carrier group: every owner of this node
+//                                has relayed (bounded)
+//
+// Counters only grow, one step per call on every rank whether the call goes on or was stopped
+// by the dispatch verdict (nothing is copied then), so they stay in step with the epochs. A
+// rank whose call failed otherwise (a wait ran out) does not count: the ranks that wait for it
+// fail in turn, within their bound. Each wait's target is a local count of this rank's relayed
+// dispatches or combines (epochs[0], epochs[1]), which only these kernels advance.
+#include "comm/dispatch_config.cuh"
+#include "common/errors.cuh"
+#include "common/nodes.cuh"
+#include "common/ptx.cuh"
+#include "common/src_info.cuh"
+#include "sinks/peer_send_config.cuh"
+
+using namespace epserve;
+
+namespace {
+
+constexpr int kRelayThreads = 256;
+
+// Node c's index among the nodes other than node a (the order of the carrier's groups and of
+// the relay areas' blocks).
+__device__ __forceinline__ int other_node_index(int c, int a) { return c < a ? c : c - 1; }
+
+// One warp copies n16 16-byte chunks that another process or the carrier wrote (loads skip L1).
+__device__ __forceinline__ void warp_copy16(uint4* dst, const uint4* src, long long n16, int lane) {
+  for (long long c = lane; c < n16; c += 32) st_v4(dst + c, ld_cg_v4(src + c));
+}
+
+// Every thread fenced its stores at system scope before; true in the one CTA that counts last
+// (the counter is left zero for the next launch).
+__device__ bool last_block_done(unsigned* done) {
+  __shared__ int last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(done, 1u) == gridDim.x - 1;
+    if (last) {
+      __threadfence_system();
+      *done = 0;
+    }
+  }
+  __syncthreads();
+  return last;
+}
+
+// Thread q < R: wait (bounded) until node rank q has released what this rank is about to
+// overwrite in it (its ready count has reached `done`); the rank itself needs no wait.
+__device__ __forceinline__ bool node_rank_ready(const unsigned long long* ready, int q, int me, int first,
+                                                unsigned long long done, unsigned long long timeout_ns, int* error,
+                                                int code) {
+  if (q == me) return true;
+  const bool ok = wait_at_least(ready + first + q, done, timeout_ns);
+  if (!ok) record_error(error, code, first + q, static_cast<int>(done + 1));
+  return ok;
+}
+
+}  // namespace
+
+// One block. cfg: the direct dispatch's (its tables hold this node's ranks).
+extern "C" __global__ void __launch_bounds__(kRelayThreads) epserve_relay_count_rows(const DispatchConfig cfg) {
+  // The IPC test carrier ran out of time: nothing landed, so nothing is counted, and the
+  // layouts' bounded waits fail the call.
+  if (*(volatile const int*)cfg.error == kOffNodeCarrierTimeout) return;
+  const int R = cfg.ranks_per_node, W = cfg.world, N = W / R, me = cfg.rank - cfg.node_first, a = cfg.rank / R;
+  const int row = cfg.num_experts + W + 1;
+  __shared__ int ok[EPSERVE_MAX_PEERS];
+  if (threadIdx.x < R)
+    ok[threadIdx.x] = node_rank_ready(cfg.my_ready, threadIdx.x, me, cfg.node_first,
+                                      ld_acquire_sys(cfg.my_ready + cfg.rank), cfg.timeout_ns, cfg.error,
+                                      kDispatchReadyTimeout);
+  __syncthreads();
+  const int* mine = cfg.count_table[me];
+  for (int c = 0; c < N; ++c) {
+    if (c == a) continue;
+    const int s = c * R + me;  // node c's rail source: its rank of this rank's local index
+    for (int q = 0; q < R; ++q) {
+      if (q == me || !ok[q]) continue;
+      int* dst = cfg.count_table[q] + s * row;
+      for (int i = threadIdx.x; i < row; i += blockDim.x) dst[i] = __ldcg(mine + s * row + i);
+    }
+  }
+  fence_acq_rel_sys();
+  __syncthreads();
+  for (int i = threadIdx.x; i < N * R; i += blockDim.x) {
+    const int c = i / R, q = i % R;
+    if (c != a && ok[q]) red_release_sys_add(cfg.count_arrive[q] + c * R + me, 1ull);
+  }
+}
+
+// Any grid of kRelayThreads. relay: the relay area, block (other_node_index(c) * R + q) holding
+// node c's rail source's block for node rank q, laid out as that source's staging block
+// (token rows [max_tokens][hidden], then their routing [max_tokens][1 + 2k] ints), block_bytes
+// apart; relay_arrive[q]: node rank q's relay counters [W], by source; done: a zeroed counter.
+extern "C" __global__ void __launch_bounds__(kRelayThreads)
+    epserve_relay_token_blocks(const DispatchConfig cfg, const unsigned char* __restrict__ relay, long long block_bytes,
+                               unsigned long long* const* __restrict__ relay_arrive, unsigned* __restrict__ done) {
+  const int R = cfg.ranks_per_node, W = cfg.world, N = W / R, me = cfg.rank - cfg.node_first, a = cfg.rank / R;
+  const int E = cfg.num_experts, row = E + W + 1, meta_len = 1 + 2 * cfg.top_k;
+  const bool copy = !call_failed(cfg.status);  // stopped calls count, copying nothing
+  const bool count = copy || call_stopped(cfg.status);
+  if (copy) {
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const long long warp = static_cast<long long>(blockIdx.x) * warps + (threadIdx.x >> 5),
+                    nwarps = static_cast<long long>(gridDim.x) * warps;
+    const long long thread = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x,
+                    nthreads = static_cast<long long>(gridDim.x) * blockDim.x;
+    const long long row_bytes = 2LL * cfg.hidden, tokens_bytes = cfg.max_tokens * row_bytes;
+    const int* table = cfg.count_table[me];
+    for (int c = 0; c < N; ++c) {
+      if (c == a) continue;
+      const int s = c * R + me, ci = other_node_index(c, a);
+      for (int q = 0; q < R; ++q) {
+        const long long n = min(max(__ldcg(table + s * row + E + cfg.node_first + q), 0), cfg.max_tokens);
+        const unsigned char* src = relay + (static_cast<long long>(ci) * R + q) * block_bytes;
+        unsigned char* tokens = reinterpret_cast<unsigned char*>(cfg.tokens[q]) + s * tokens_bytes;
+        for (long long i = warp; i < n; i += nwarps)
+          warp_copy16(reinterpret_cast<uint4*>(tokens + i * row_bytes),
+                      reinterpret_cast<const uint4*>(src + i * row_bytes), row_bytes / 16, lane);
+        const int* meta_src = reinterpret_cast<const int*>(src + tokens_bytes);
+        int* meta = cfg.meta[q] + static_cast<long long>(s) * cfg.max_tokens * meta_len;
+        for (long long i = thread; i < n * meta_len; i += nthreads) meta[i] = __ldcg(meta_src + i);
+      }
+    }
+  }
+  fence_acq_rel_sys();
+  if (last_block_done(done) && count)
+    for (int i = threadIdx.x; i < N * R; i += blockDim.x) {
+      const int c = i / R, q = i % R;
+      if (c != a) red_release_sys_add(relay_arrive[q] + c * R + me, 1ull);
+    }
+}
+
+// One warp. my_relay_arrive: this rank's relay counters [W], by source; epochs[0]: the relayed
+// dispatches so far. A source that never comes fails the call here, as a token row that never
+// comes fails it in the move kernel: nothing more moves to or from this rank (expert_offsets
+// zero), and the ranks waiting for its combine rows fail in turn.
+extern "C" __global__ void __launch_bounds__(32)
+    epserve_relay_rows_wait(const DispatchConfig cfg, const unsigned long long* __restrict__ my_relay_arrive,
+                            unsigned long long* __restrict__ epochs, int* __restrict__ expert_offsets,
+                            int experts_per_rank) {
+  const int lane = threadIdx.x, R = cfg.ranks_per_node;
+  const unsigned long long e = epochs[0] + 1;
+  if (!call_failed(cfg.status)) {
+    bool ok = true;
+    for (int s = lane; s < cfg.world; s += 32) {
+      if (node_index(s, cfg.node_first, R) >= 0) continue;
+      if (!wait_at_least(my_relay_arrive + s, e, cfg.timeout_ns)) {
+        record_error(cfg.error, kOffNodeRelayTimeout, s, 0);
+        ok = false;
+      }
+    }
+    if (!__all_sync(0xffffffffu, ok)) {
+      mark_call_failed(cfg.status);
+      for (int q = lane; q <= experts_per_rank; q += 32) expert_offsets[q] = 0;
+    }
+  }
+  __syncwarp();
+  if (lane == 0) epochs[0] = e;
+}
+
+// Any grid of kRelayThreads. cfg: GEMM 2's (or the IPC push's) PeerSendConfig, whose src_info
+// names this call's rows and whose off_recv is the combine staging they were stored into;
+// expert_offsets: the call's (null: no rows, a rank standing in). relay[q]: node rank q's
+// combine relay area, block (other_node_index(home's node) * R + owner's local index) of
+// max_tokens * k rows of hidden bf16; relay_arrive[q]: its counters [W], by owner.
+extern "C" __global__ void __launch_bounds__(kRelayThreads)
+    epserve_relay_combine_rows(const PeerSendConfig cfg, const int* __restrict__ expert_offsets, int experts_per_rank,
+                               bf16_t* const* __restrict__ relay, unsigned long long* const* __restrict__ relay_arrive,
+                               unsigned* __restrict__ done) {
+  const int R = cfg.ranks_per_node, me = cfg.rank - cfg.node_first, a = cfg.rank / R, k = cfg.top_k;
+  const long long H = cfg.hidden, block_rows = static_cast<long long>(cfg.max_tokens) * k;
+  __shared__ int ok[EPSERVE_MAX_PEERS];
+  // Combine e into a relay area once its rank has sent combine e - 1 from it: its reduction,
+  // which follows that send, has counted e - 1 in ready (the sink's rule for recv).
+  if (threadIdx.x < R) {
+    ok[threadIdx.x] = node_rank_ready(cfg.ready, threadIdx.x, me, cfg.node_first, ld_acquire_sys(cfg.ready + cfg.rank),
+                                      cfg.timeout_ns, cfg.error, kPeerReadyTimeout);
+    if (!ok[threadIdx.x]) mark_call_failed(cfg.status);
+  }
+  __syncthreads();
+  const int M = expert_offsets != nullptr && !call_stopped(cfg.status) ? expert_offsets[experts_per_rank] : 0;
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  for (long long m = static_cast<long long>(blockIdx.x) * warps + (threadIdx.x >> 5); m < M;
+       m += static_cast<long long>(gridDim.x) * warps) {
+    const RowSource src = decode_src_info(cfg.src_info[m]);
+    if (src.rank >= cfg.world || src.token >= cfg.max_tokens || src.slot >= k) continue;  // the sink refused it
+    if (node_index(src.rank, cfg.node_first, R) >= 0) continue;                           // home on this node
+    const int p = src.rank % R;  // the home's rail peer here: this node's rank of its local index
+    if (!ok[p]) continue;
+    const long long slot = static_cast<long long>(src.token) * k + src.slot;
+    const long long block = static_cast<long long>(other_node_index(src.rank / R, a)) * R + me;
+    warp_copy16(reinterpret_cast<uint4*>(relay[p] + (block * block_rows + slot) * H),
+                reinterpret_cast<const uint4*>(
+                    cfg.off_recv + (off_node_block(src.rank, cfg.node_first, R) * block_rows + slot) * H),
+                H / 8, lane);
+  }
+  fence_acq_rel_sys();
+  if (last_block_done(done) && threadIdx.x < R && ok[threadIdx.x])
+    red_release_sys_add(relay_arrive[threadIdx.x] + cfg.rank, 1ull);
+}
+
+// One warp. my_combine_relay: this rank's counters [W], by owner; epochs[1]: the relayed
+// combines so far. Runs whatever the call's status (the owners count stopped calls too), and
+// the carrier group follows whatever it finds (its peers make theirs).
+extern "C" __global__ void __launch_bounds__(32)
+    epserve_relay_combine_wait(const unsigned long long* __restrict__ my_combine_relay,
+                               unsigned long long* __restrict__ epochs, int node_first, int R,
+                               unsigned long long timeout_ns, int* __restrict__ error, int* __restrict__ status) {
+  const int lane = threadIdx.x;
+  const unsigned long long e = epochs[1] + 1;
+  for (int q = lane; q < R; q += 32)
+    if (!wait_at_least(my_combine_relay + node_first + q, e, timeout_ns)) {
+      record_error(error, kOffNodeRelayTimeout, node_first + q, 1);
+      mark_call_failed(status);
+    }
+  __syncwarp();
+  if (lane == 0) epochs[1] = e;
+}

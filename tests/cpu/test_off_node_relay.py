@@ -1,0 +1,205 @@
+"""The relay route across nodes (EPSERVE_OFFNODE_ROUTE=relay; epserve/comm/off_node_relay.py,
+cuda/comm/off_node_relay.cu): the rails, the carrier's groups matched send for receive, every
+block of the direct route arriving where the direct route puts it (a model of the carrier and
+of the relay kernels' block arithmetic), the setting's agreement, and the launches against
+their kernels' parameters."""
+
+import types
+
+import numpy as np
+import pytest
+
+from epserve.comm import off_node_relay as relay_mod
+from epserve.comm.off_node import OffNodePlan
+from epserve.comm.off_node_relay import RelayPlan, agree_route, route_name
+from epserve.comm.topology import NodeLayout
+from epserve.errors import ConfigError
+from epserve.runtime import build, kernels
+
+E, K, H, T = 64, 4, 256, 40
+LAYOUTS = [(2, 1), (4, 2), (8, 2), (8, 4), (16, 8), (32, 8), (12, 4)]
+
+
+def plans(W, R):
+    return [RelayPlan(OffNodePlan(NodeLayout(W, R), r, E, K, H, H, T)) for r in range(W)]
+
+
+class Staging:
+    """A stand-in for a carrier's staging buffer: the same object on every rank, as the
+    carrier's collective staging is."""
+
+
+def matched(groups):
+    """Every rank's sends, each met by the receive its peer lists for this rank at the same
+    position among that peer's receives from it, of the same size and naming the send's place."""
+    for r, (sends, recvs) in enumerate(groups):
+        for s in sends:
+            theirs = [x for x in groups[s.peer][1] if x.peer == r]
+            mine = [x for x in sends if x.peer == s.peer]
+            assert len(theirs) == len(mine)
+            got = theirs[mine.index(s)]
+            assert (got.nbytes, got.peer_offset, got.staging) == (s.nbytes, s.offset, s.staging), (r, s, got)
+    return True
+
+
+@pytest.mark.parametrize("W,R", LAYOUTS)
+def test_one_peer_per_other_node_the_rank_of_the_same_local_index(W, R):
+    for p in plans(W, R):
+        rails = [p.rail(c) for c in p.other_nodes]
+        assert len(rails) == W // R - 1
+        assert all(d % R == p.local and not p.off.layout.same_node(d, p.off.rank) for d in rails)
+
+
+@pytest.mark.parametrize("W,R", LAYOUTS)
+def test_every_send_meets_its_receive(W, R):
+    ps, staging, relay = plans(W, R), Staging(), Staging()
+    assert matched([p.count_group(staging, 1 << 40) for p in ps])
+    assert matched([p.rows_group(staging, 1 << 40) for p in ps])
+    assert matched([p.combine_group(relay, 1 << 40) for p in ps])
+    for p in ps:  # one transfer per node pair and rail, each way
+        for sends, recvs in (p.count_group(staging, 0), p.rows_group(staging, 0), p.combine_group(relay, 0)):
+            assert len(sends) == len(recvs) == W // R - 1
+
+
+@pytest.mark.parametrize("W,R", LAYOUTS)
+def test_dispatch_blocks_reach_the_token_regions_the_direct_route_fills(W, R):
+    """A model of the carrier (bytes at an offset of the sender's staging land at the
+    receiver's address) and of epserve_relay_token_blocks (relay block (other_node_index(c) R
+    + q) into node rank q's token region at block s): every off-node pair (s, d) ends with
+    s's staging block for d in d's token region at s, as the direct route's carrier leaves it."""
+    ps = plans(W, R)
+    bb = ps[0].block_bytes
+    base = ps[0].off.tokens_offset(0)
+    staging = {s: {base + ps[s].off.block(d) * bb: ("block", s, d) for d in ps[s].off.peers} for s in range(W)}
+    relay = {r: {} for r in range(W)}  # relay area offset -> block
+    for r, p in enumerate(ps):
+        sends, recvs = p.rows_group(staging, 0)
+        for rv in recvs:
+            for i in range(rv.nbytes // bb):  # whole blocks
+                relay[r][rv.dst + i * bb] = staging[rv.peer][rv.peer_offset + i * bb]
+    regions = {}
+    for r, p in enumerate(ps):  # the relay kernel of rank r
+        a = p.node
+        for c in p.other_nodes:
+            s = c * R + p.local
+            for q in range(R):
+                regions[(a * R + q, s)] = relay[r][(RelayPlan.other_index(c, a) * R + q) * bb]
+    want = {(d, s): ("block", s, d) for s in range(W) for d in ps[s].off.peers}
+    assert regions == want
+
+
+@pytest.mark.parametrize("W,R", LAYOUTS)
+def test_combine_blocks_reach_the_landing_blocks_the_direct_route_fills(W, R):
+    """A model of epserve_relay_combine_rows (owner d's staged block for home h into the relay
+    area of d's node rank of h's local index, block (other_node_index(node(h)) R + local(d)))
+    and of the carrier: every off-node pair (owner d, home h) ends with d's block for h in h's
+    landing block of d, as the direct route's carrier leaves it."""
+    ps, relay_staging = plans(W, R), Staging()
+    cb = ps[0].off.combine_block_bytes
+    areas = {r: {} for r in range(W)}
+    for d, p in enumerate(ps):
+        for h in p.off.peers:
+            rail_peer = p.node * R + h % R
+            areas[rail_peer][(RelayPlan.other_index(h // R, p.node) * R + p.local) * cb] = ("rows", d, h)
+    landing = {r: {} for r in range(W)}
+    for r, p in enumerate(ps):
+        sends, recvs = p.combine_group(relay_staging, 0)
+        for rv in recvs:
+            for i in range(rv.nbytes // cb):
+                landing[r][rv.dst + i * cb] = areas[rv.peer][rv.peer_offset + i * cb]
+    for h, p in enumerate(ps):
+        assert landing[h] == {p.off.block(d) * cb: ("rows", d, h) for d in p.off.peers}
+
+
+def test_relay_areas_hold_r_blocks_per_other_node():
+    p = plans(8, 2)[3]
+    assert p.dispatch_relay_bytes == 3 * 2 * p.block_bytes
+    assert p.combine_relay_bytes == 3 * 2 * p.off.combine_block_bytes == p.off.combine_staging_bytes
+
+
+def test_the_route_setting(monkeypatch):
+    monkeypatch.delenv(relay_mod.ROUTE_ENV, raising=False)
+    assert route_name() == "direct"
+    monkeypatch.setenv(relay_mod.ROUTE_ENV, " Relay ")
+    assert route_name() == "relay"
+    monkeypatch.setenv(relay_mod.ROUTE_ENV, "hops")
+    with pytest.raises(ConfigError, match="EPSERVE_OFFNODE_ROUTE='hops'"):
+        route_name()
+
+
+class Comm:
+    def __init__(self, others):
+        self.others = others
+
+    def allgather(self, mine):
+        return [mine] + self.others
+
+
+def test_the_ranks_agree_on_the_route(monkeypatch):
+    monkeypatch.setenv(relay_mod.ROUTE_ENV, "relay")
+    assert agree_route(Comm([]), 1, None, None) is None  # one node: no route
+    assert agree_route(Comm([("relay", None)]), 2, None, None) == "relay"
+    with pytest.raises(ConfigError, match="different off-node routes"):
+        agree_route(Comm([("direct", None)]), 2, None, None)
+    for sizes, overlap in (("host", None), (None, 8)):
+        with pytest.raises(ConfigError, match="serves the capacity blocks"):
+            agree_route(Comm([("relay", None)]), 2, sizes, overlap)
+    monkeypatch.delenv(relay_mod.ROUTE_ENV)
+    assert agree_route(Comm([("direct", None)]), 2, "host", 8) == "direct"
+
+
+class Ptr:
+    """A device pointer argument (a CuPy array, or a slice of one): 8 bytes."""
+
+    def __getitem__(self, s):
+        return Ptr()
+
+
+class Called:
+    calls = []
+
+    def __init__(self, name):
+        self.name = name
+
+    def __call__(self, grid, block, args):
+        Called.calls.append((self.name, args))
+
+
+def param_sizes(ptx: str, kernel: str) -> list[int]:
+    from test_dispatch_launch_args import param_sizes as sizes  # a sibling's helper
+
+    return sizes(ptx, kernel)
+
+
+def test_launches_match_their_kernels(monkeypatch, tmp_path):
+    from epserve.runtime.kernel_structs import DISPATCH_CONFIG, PEER_SEND_CONFIG
+
+    monkeypatch.setenv("EPSERVE_CACHE_DIR", str(tmp_path))
+    source, defines = kernels.VARIANTS["off_node_relay"]
+    ptx = build.compile_source(source, defines).ptx.read_text()
+    monkeypatch.setattr(relay_mod.kernels, "function", lambda module, name: Called(name))
+    monkeypatch.setattr(relay_mod, "i32", lambda v: np.full(1, v, np.int32))
+    monkeypatch.setattr(relay_mod, "u64", lambda v: np.full(1, v, np.uint64))
+    Called.calls = []
+    exchanges = []
+    plan = OffNodePlan(NodeLayout(8, 2), 3, E, K, H, H, T)
+    off = types.SimpleNamespace(
+        plan=plan, rank=3, world=8, timeout_ns=10**9, signals=types.SimpleNamespace(local=lambda a: 0x2000),
+        carrier=types.SimpleNamespace(exchange=lambda s, r, status=None: exchanges.append((s, r))))
+    r = relay_mod.Relay.__new__(relay_mod.Relay)
+    r.off, r.plan, r._groups, r._sms = off, RelayPlan(plan), {}, 132
+    r._dispatch_area = types.SimpleNamespace(ptr=0x3000)
+    r._combine_area, r._counters = Staging(), types.SimpleNamespace(ptr=0x4000)
+    r._dispatch_arrive = r._combine_arrive = r._combine_areas = r._epochs = r._done = Ptr()
+    dcfg, scfg = np.zeros(1, DISPATCH_CONFIG), np.zeros(1, PEER_SEND_CONFIG)
+    r.exchange_counts(Staging(), 0x5000, dcfg)
+    r.exchange_rows(Staging(), dcfg, Ptr(), Ptr(), E // 8)
+    r.exchange_combine(scfg, Ptr(), E // 8, 0x6000, Ptr())
+    r.exchange_combine(scfg, None, E // 8, 0x6000, None)  # a rank standing in
+    assert [name for name, _ in Called.calls] == [
+        "epserve_relay_count_rows", "epserve_relay_token_blocks", "epserve_relay_rows_wait",
+        "epserve_relay_combine_rows", "epserve_relay_combine_wait",
+        "epserve_relay_combine_rows", "epserve_relay_combine_wait"]
+    for name, args in Called.calls:
+        assert [8 if isinstance(a, Ptr) else np.asarray(a).nbytes for a in args] == param_sizes(ptx, name), name
+    assert len(exchanges) == 4  # counts, rows, and a combine group per combine
