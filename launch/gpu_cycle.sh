@@ -10,6 +10,8 @@
 #   bash launch/gpu_cycle.sh profile-fp8       # ncu: the FP8 GEMMs' clock, L2/DRAM bytes, stalls, ~1 min
 #   bash launch/gpu_cycle.sh layer             # issue 13's two-GPU timings: dispatch kernels, the
 #                                              # decode layer eager and from a graph, host time, ~2 min
+#   bash launch/gpu_cycle.sh review-x2         # two GPUs, what three issues wait for: the FP8 bench, the
+#                                              # 2-gpus tests, the off-node transfer, the send under GEMM 2, <= 9 min
 # bench runs one rank per GPU (on one GPU: one rank, no link); run, fuzz and soak take two
 # ranks, sharing the GPU where there is one.
 set -uo pipefail
@@ -21,6 +23,16 @@ status=0
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 [ "$gpus" -ge 1 ] 2>/dev/null || gpus=2
 
+summary_lines=40  # the last this many matching lines of a stage's log are printed
+deadline=0
+# within SECONDS: a timeout for a stage's next command: SECONDS, or what is left before
+# $deadline when that is less, but never under 30
+within() {
+    local left=$((deadline - SECONDS))
+    local t=$(($1 < left ? $1 : left))
+    echo $((t < 30 ? 30 : t))
+}
+
 stage() {  # stage NAME SUMMARY-REGEX COMMAND...
     local name=$1 pattern=$2
     shift 2
@@ -28,7 +40,7 @@ stage() {  # stage NAME SUMMARY-REGEX COMMAND...
     local start=$SECONDS
     "$@" > "$out/$name.log" 2>&1
     local rc=$?
-    grep -aE "$pattern" "$out/$name.log" | tail -n 40
+    grep -aE "$pattern" "$out/$name.log" | tail -n "$summary_lines"
     echo "== $name: exit $rc after $((SECONDS - start)) s"
     [ "$rc" -eq 0 ] || status=1
 }
@@ -69,7 +81,46 @@ sm__cycles_elapsed.avg.per_second,lts__t_sectors_op_read.sum,dram__bytes_read.su
                    --timeout 120 -- python3 -m mpi4py launch/jobs/time_graph.py --preset dsv3-decode --tokens 128
                stage layer-host "^#|^forward|^dispatch|Error" env PYTHONPATH=. python3 launch/run.py -n 2 $share \
                    --timeout 120 -- python3 -m mpi4py launch/jobs/host_profile.py --tokens 128 --calls 20 --top 12 ;;
-        *) echo "unknown stage $s (test run timing bench fuzz soak sanitize profile profile-fp8 layer)"; status=1 ;;
+        # Three issues' two-GPU measurements in one call, each command under its own timeout
+        # (timeout -k 10: run.py's own teardown takes up to 5 s; its --timeout 15 s under the
+        # outer one), all of them within REVIEW_BUDGET_S (default 540 s) so that one hang cannot
+        # eat the call: a command gets its own limit or what is left, whichever is less.
+        #  - issue 16: the FP8 presets beside the bf16 ones, balanced, 4096 and 128 tokens;
+        #  - the two-GPU tests (-k 2-gpus: two ranks, forced nodes over NCCL, 4 ranks on 2 GPUs);
+        #  - issue 15: the off-node transfer alone over NCCL against an NCCL all-to-all (ratio);
+        #  - issue 15, step 2: dsv3-prefill 4096 balanced across forced nodes of 1 with routed
+        #    sizes, the send after GEMM 2 and then under it (EPSERVE_OFFNODE_OVERLAP=1): read the
+        #    fused and layer-fused rows of the two logs side by side (the bench has no flag to
+        #    time fewer paths; its `fused` row combines capacity blocks, layer-fused routed ones).
+        review-x2)
+            export NCCL_NVLS_ENABLE=0
+            deadline=$((SECONDS + ${REVIEW_BUDGET_S:-540})) summary_lines=120
+            rows="^# (preset|  )|^  [a-z]|#wrong|passed|failed|ratio|Error|timed out"
+            t=$(within 215)
+            stage review-bench-fp8 "$rows|^# .*(FP8|limits)" timeout -k 10 "$t" env PYTHONPATH=. \
+                python3 launch/run.py -n 2 --timeout $((t - 15)) -- python3 -m mpi4py -m epserve.bench \
+                --presets dsv3-prefill-fp8,dsv3-decode-fp8,dsv3-prefill,dsv3-decode --routing balanced \
+                --tokens 4096,128 --out "$out/bench-fp8"
+            t=$(within 240)
+            stage review-tests-2gpus "passed|failed|FAILED|SKIPPED|ERROR|#wrong|ratio|timed out" \
+                timeout -k 10 "$t" env PYTHONPATH=. python3 -m pytest -m gpu tests -q -rs -k 2-gpus -p no:cacheprovider
+            t=$(within 215)
+            stage review-offnode-transfer "^# (time_off_node|transfer)|^(counts|dispatch|combine) |#wrong|ratio|passed|failed|Error|timed out" \
+                timeout -k 10 "$t" env PYTHONPATH=. EPSERVE_RANKS_PER_NODE=1 python3 launch/run.py -n 2 \
+                --timeout $((t - 15)) -- python3 -m mpi4py launch/jobs/time_off_node.py --preset dsv3-prefill \
+                --iters 50 --warmup 5
+            for overlap in 0 1; do
+                name=review-offnode-host$([ $overlap = 0 ] || echo -overlap)
+                set_overlap=$([ $overlap = 0 ] && echo "-u EPSERVE_OFFNODE_OVERLAP" || echo EPSERVE_OFFNODE_OVERLAP=1)
+                t=$(within 150)
+                stage "$name" "^# (preset|  )|^  \S+ +\S+ +[0-9]+ +(layer-)?(un)?fused |#wrong|passed|failed|ratio|Error|timed out" \
+                    timeout -k 10 "$t" env $set_overlap PYTHONPATH=. EPSERVE_RANKS_PER_NODE=1 \
+                    EPSERVE_OFFNODE_SIZES=host python3 launch/run.py -n 2 --timeout $((t - 15)) -- \
+                    python3 -m mpi4py -m epserve.bench --presets dsv3-prefill --routing balanced --tokens 4096 \
+                    --iters 30 --warmup 5
+            done
+            summary_lines=40 ;;
+        *) echo "unknown stage $s (test run timing bench fuzz soak sanitize profile profile-fp8 layer review-x2)"; status=1 ;;
     esac
 done
 exit $status
