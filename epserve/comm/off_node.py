@@ -57,7 +57,7 @@ import numpy as np
 from epserve.comm import off_node_overlap
 from epserve.comm import signals as sig
 from epserve.comm.carriers import Recv, Send
-from epserve.comm.off_node_relay import Relay
+from epserve.comm.off_node_relay import Relay, relay_sizes
 from epserve.comm.off_node_sizes import OffNodeSizes, sizes_from_count_rows
 from epserve.comm.topology import NodeLayout
 from epserve.errors import PeerTimeoutError
@@ -280,12 +280,18 @@ class OffNode:
 
     # ---- the carrier groups (also for launch/jobs/time_off_node.py) ----------------------
     def count_group(self):
+        if self.relay is not None:
+            return self.relay.plan.count_group(self._dispatch_staging, self._dispatch[0])
         return self.plan.count_group(self._dispatch_staging, self._dispatch[0])
 
     def rows_group(self, sizes: OffNodeSizes | None = None):
+        if self.relay is not None:
+            return self.relay.rows_group(self._dispatch_staging, sizes)
         return self.plan.rows_group(self._dispatch_staging, self._dispatch[1], self._dispatch[2], sizes)
 
     def combine_group(self, sizes: OffNodeSizes | None = None):
+        if self.relay is not None:
+            return self.relay.combine_group(int(self._landing.ptr), sizes)
         return self.plan.combine_group(self._combine_staging, int(self._landing.ptr), sizes)
 
     @property
@@ -321,7 +327,8 @@ class OffNode:
         """Sizes "host", after exchange_counts: this rank's count table to the host (one small
         copy, on the stream, and an event); await_sizes waits for it. Only this rank's row and
         the other nodes' rows are read there: both are on this stream, while this node's
-        ranks' rows arrive by IPC whenever they come."""
+        ranks' rows arrive by IPC whenever they come (with the relay, of the other nodes' rows
+        only the rail peers': the others come through this node's ranks too)."""
         stream = cupy.cuda.get_current_stream()
         cupy.cuda.runtime.memcpyAsync(self._counts_pinned.ptr, count_table, self._counts_host.nbytes,
                                       cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
@@ -342,8 +349,11 @@ class OffNode:
             if spins > 1000:  # past the first moments, give the CPU back between looks
                 time.sleep(50e-6)
         p = self.plan
-        self._last = sizes_from_count_rows(self._counts_host, self.rank, p.peers, p.num_experts, p.max_tokens,
-                                           p.top_k)
+        if self.relay is not None:  # only this rank's row and its rail peers' (off_node_relay.relay_sizes)
+            self._last = relay_sizes(self._counts_host, self.relay.plan)
+        else:
+            self._last = sizes_from_count_rows(self._counts_host, self.rank, p.peers, p.num_experts, p.max_tokens,
+                                               p.top_k)
         return self._last
 
     def exchange_rows(self, tokens: int, meta: int, status, sizes: OffNodeSizes | None = None, cfg=None,
@@ -353,7 +363,7 @@ class OffNode:
         experts_per_rank: the direct dispatch's), along the rails and on to the node's ranks,
         then this rank's wait for its own."""
         if self.relay is not None:
-            self.relay.exchange_rows(self._dispatch_staging, cfg, status, expert_offsets, experts_per_rank)
+            self.relay.exchange_rows(self._dispatch_staging, cfg, status, expert_offsets, experts_per_rank, sizes)
             return
         if sizes is not None:
             self.carrier.exchange(*self.plan.rows_group(self._dispatch_staging, tokens, meta, sizes), status=status)
@@ -393,9 +403,12 @@ class OffNode:
         the rows were staged with, the call's expert_offsets or None for a rank standing in),
         which the relay walks."""
         if self.relay is not None:
+            if compact and self._last is None:
+                raise RuntimeError("a compact combine before any direct dispatch with EPSERVE_OFFNODE_SIZES=host")
             send_cfg, expert_offsets = rows
-            self.relay.exchange_combine(send_cfg, expert_offsets, experts_per_rank, int(self._landing.ptr), status)
-            self.land_combine(topk_idx, T, k, H, experts_per_rank, recv, status)
+            self.relay.exchange_combine(send_cfg, expert_offsets, experts_per_rank, int(self._landing.ptr), status,
+                                        self._last if compact else None)
+            self.land_combine(topk_idx, T, k, H, experts_per_rank, recv, status, compact)
             return
         if compact:
             if self._last is None:

@@ -33,9 +33,11 @@ rest.
               land, reduction     unchanged
 
 The same bytes in the same slots of the same buffers as the direct route, so the same bits
-(fused == unfused == the one-node run). The network still carries whole capacity blocks
-(EPSERVE_OFFNODE_SIZES=host and EPSERVE_OFFNODE_OVERLAP=1 are refused with the relay in this
-version); the NVLink forwarding moves the routed rows only.
+(fused == unfused == the one-node run). By default the network carries whole capacity blocks;
+with EPSERVE_OFFNODE_SIZES=host (the count rows read on the host once per dispatch) each rail
+transfer carries its R blocks' routed rows only (R messages to the one peer; relay_sizes) and
+the combine returns compact blocks. The NVLink forwarding moves the routed rows either way.
+EPSERVE_OFFNODE_OVERLAP=1 is refused with the relay in this version.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import numpy as np
 
 from epserve.comm import signals as sig
 from epserve.comm.carriers import Recv, Send
+from epserve.comm.off_node_sizes import clamp, count_row
 from epserve.errors import ConfigError
 from epserve.runtime import kernels
 from epserve.runtime.kernel_structs import i32, u64
@@ -75,10 +78,38 @@ def agree_route(comm, nodes: int, sizes: str | None, overlap: int | None) -> str
     if nodes == 1:
         return None
     route = agree_choice(comm, route_name, ROUTE_ENV, "off-node routes")
-    if route == "relay" and (sizes == "host" or overlap is not None):
-        raise ConfigError(f"{ROUTE_ENV}=relay serves the capacity blocks with the send after GEMM 2 only, so far: "
-                          "unset EPSERVE_OFFNODE_SIZES and EPSERVE_OFFNODE_OVERLAP, or use the direct route")
+    if route == "relay" and overlap is not None:
+        raise ConfigError(f"{ROUTE_ENV}=relay sends the combine after GEMM 2 only, so far: unset "
+                          "EPSERVE_OFFNODE_OVERLAP, or use the direct route")
     return route
+
+
+@dataclass(frozen=True)
+class RelaySizes:
+    """One call's transfer sizes of one rank on the relay route (EPSERVE_OFFNODE_SIZES=host),
+    in rows. Read from this rank's own count row and its rail peers' rows only: those cross by
+    the carrier, ordered on the stream before the host's copy, while the other off-node rows
+    reach the table through this node's ranks at any time."""
+
+    tokens_to: dict     # off-node rank d -> token rows this rank stages for d
+    returns_from: dict  # off-node owner o -> rows o returns to this rank
+    relayed_in: dict    # (rail source s, node rank d) -> token rows s sends d through this rank
+    relayed_out: dict   # (rail home h, node owner o) -> rows o returns to h through this rank
+
+
+def relay_sizes(table: np.ndarray, plan: "RelayPlan") -> RelaySizes:
+    off = plan.off
+    W, E, R = off.world, off.num_experts, plan.R
+    e_loc, cap = E // W, off.max_tokens * off.top_k
+    mine = count_row(table, off.rank)
+    node = range(plan.node * R, (plan.node + 1) * R)
+    rails = {plan.rail(c): count_row(table, plan.rail(c)) for c in plan.other_nodes}
+    return RelaySizes(
+        tokens_to={d: clamp(mine[E + d], off.max_tokens) for d in off.peers},
+        returns_from={o: clamp(mine[o * e_loc:(o + 1) * e_loc].clip(0).sum(), cap) for o in off.peers},
+        relayed_in={(s, d): clamp(row[E + d], off.max_tokens) for s, row in rails.items() for d in node},
+        relayed_out={(h, o): clamp(row[o * e_loc:(o + 1) * e_loc].clip(0).sum(), cap)
+                     for h, row in rails.items() for o in node})
 
 
 @dataclass(frozen=True)
@@ -136,29 +167,58 @@ class RelayPlan:
         recvs = [Recv(self.rail(c), count_table + self.rail(c) * n, n, staging, 0) for c in self.other_nodes]
         return sends, recvs
 
-    def rows_group(self, staging, relay_area: int):
+    def rows_group(self, staging, relay_area: int, sizes: RelaySizes | None = None):
         """To each rail peer, this rank's staging blocks of that node's R ranks (consecutive in
         the staging: one transfer); from each, its blocks for this node's ranks into the relay
-        area at (its node's index) * R."""
-        p, nbytes = self.off, self.R * self.block_bytes
-        first_rank = self.node * self.R  # the blocks a rail source holds for this node start at its block of this rank
-        sends = [Send(self.rail(c), staging, p.tokens_offset(p.block(c * self.R)), nbytes) for c in self.other_nodes]
-        recvs = [Recv(self.rail(c), relay_area + self.other_index(c, self.node) * nbytes, nbytes, staging,
-                      p.tokens_offset(p.block_of(self.rail(c), first_rank)))
-                 for c in self.other_nodes]
-        return sends, recvs
+        area at (its node's index) * R. With `sizes`: per block, its routed token rows and
+        their routing (at the block's start), 2 R messages to the one peer, none of zero bytes."""
+        p, R, bb = self.off, self.R, self.block_bytes
+        first_rank = self.node * R  # the blocks a rail source holds for this node start at its block of this rank
+        sends, recvs = [], []
+        for c in self.other_nodes:
+            rail, area = self.rail(c), relay_area + self.other_index(c, self.node) * R * bb
+            if sizes is None:
+                sends.append(Send(rail, staging, p.tokens_offset(p.block(c * R)), R * bb))
+                recvs.append(Recv(rail, area, R * bb, staging, p.tokens_offset(p.block_of(rail, first_rank))))
+                continue
+            tok_row, meta_row = p.hidden * 2, p.meta_len * 4
+            for q in range(R):
+                d = c * R + q  # this rank's rows for d
+                n = sizes.tokens_to[d]
+                sends += [Send(rail, staging, p.tokens_offset(p.block(d)), n * tok_row),
+                          Send(rail, staging, p.meta_offset(p.block(d)), n * meta_row)]
+                d = first_rank + q  # the rail source's rows for this node's rank q
+                n, b = sizes.relayed_in[(rail, d)], p.block_of(rail, d)
+                recvs += [Recv(rail, area + q * bb, n * tok_row, staging, p.tokens_offset(b)),
+                          Recv(rail, area + q * bb + p.tokens_block_bytes, n * meta_row, staging, p.meta_offset(b))]
+        return _without_empty(sends, recvs)
 
-    def combine_group(self, relay_staging, landing: int):
+    def combine_group(self, relay_staging, landing: int, sizes: RelaySizes | None = None):
         """To each rail home (this rank's rail peer on another node), the R owners' blocks this
         rank relays for it; from the rail peer of each other node, that node's R owners' blocks
-        for this rank into their landing blocks (consecutive, in owner order)."""
-        p, nbytes = self.off, self.R * self.off.combine_block_bytes
-        sends = [Send(self.rail(c), relay_staging, self.other_index(c, self.node) * nbytes, nbytes)
-                 for c in self.other_nodes]
-        recvs = [Recv(self.rail(c), landing + p.block(c * self.R) * p.combine_block_bytes, nbytes, relay_staging,
-                      self.other_index(self.node, c) * nbytes)
-                 for c in self.other_nodes]
-        return sends, recvs
+        for this rank into their landing blocks (consecutive, in owner order). With `sizes`:
+        each block's compact rows (its start), R messages each way per rail, none of zero bytes."""
+        p, R, cb = self.off, self.R, self.off.combine_block_bytes
+        row = p.combine_hidden * 2
+        sends, recvs = [], []
+        for c in self.other_nodes:
+            rail, mine, theirs = self.rail(c), self.other_index(c, self.node) * R, self.other_index(self.node, c) * R
+            if sizes is None:
+                sends.append(Send(rail, relay_staging, mine * cb, R * cb))
+                recvs.append(Recv(rail, landing + p.block(c * R) * cb, R * cb, relay_staging, theirs * cb))
+                continue
+            for q in range(R):
+                n = sizes.relayed_out[(rail, self.node * R + q)]  # owner q of this node, for the rail home
+                sends.append(Send(rail, relay_staging, (mine + q) * cb, n * row))
+                o = c * R + q  # owner q of node c, for this rank
+                recvs.append(Recv(rail, landing + p.block(o) * cb, sizes.returns_from[o] * row, relay_staging,
+                                  (theirs + q) * cb))
+        return _without_empty(sends, recvs)
+
+
+def _without_empty(sends, recvs):
+    """A group without its transfers of zero bytes (both ends leave out the same ones)."""
+    return [x for x in sends if x.nbytes], [x for x in recvs if x.nbytes]
 
 
 class Relay:
@@ -191,28 +251,41 @@ class Relay:
             self._groups[key] = make()
         return self._groups[key]
 
+    def rows_group(self, staging, sizes: RelaySizes | None = None):
+        """The token blocks' group (also for launch/jobs/time_off_node.py)."""
+        return self.plan.rows_group(staging, int(self._dispatch_area.ptr), sizes)
+
+    def combine_group(self, landing: int, sizes: RelaySizes | None = None):
+        """The combine's group (also for launch/jobs/time_off_node.py)."""
+        return self.plan.combine_group(self._combine_area, landing, sizes)
+
     def exchange_counts(self, staging, count_table: int, cfg) -> None:
         """After count + publish: the count rows along the rails, then into the node's tables."""
         self.off.carrier.exchange(*self._group(("counts", count_table),
                                                lambda: self.plan.count_group(staging, count_table)))
         kernels.function("off_node_relay", "epserve_relay_count_rows")((1,), (RELAY_THREADS,), (cfg,))
 
-    def exchange_rows(self, staging, cfg, status, expert_offsets, experts_per_rank: int) -> None:
-        """After the move: the token blocks along the rails, into the node's token regions, and
-        this rank's wait for every other node's rows (before the off-node expand)."""
+    def exchange_rows(self, staging, cfg, status, expert_offsets, experts_per_rank: int,
+                      sizes: RelaySizes | None = None) -> None:
+        """After the move: the token blocks along the rails (whole, or with `sizes` the routed
+        rows), into the node's token regions, and this rank's wait for every other node's rows
+        (before the off-node expand)."""
         area = int(self._dispatch_area.ptr)
-        self.off.carrier.exchange(*self._group(("rows", area), lambda: self.plan.rows_group(staging, area)),
-                                  status=status)
+        group = self.rows_group(staging, sizes) if sizes is not None else \
+            self._group(("rows", area), lambda: self.rows_group(staging))
+        self.off.carrier.exchange(*group, status=status)
         fn = kernels.function("off_node_relay", "epserve_relay_token_blocks")
         fn((self._sms,), (RELAY_THREADS,), (cfg, u64(area), np.int64(self.plan.block_bytes), self._dispatch_arrive,
                                             self._done[0:1]))
         fn = kernels.function("off_node_relay", "epserve_relay_rows_wait")
         fn((1,), (32,), (cfg, u64(self._counters.ptr), self._epochs, expert_offsets, i32(experts_per_rank)))
 
-    def exchange_combine(self, send_cfg, expert_offsets, experts_per_rank: int, landing: int, status) -> None:
+    def exchange_combine(self, send_cfg, expert_offsets, experts_per_rank: int, landing: int, status,
+                         sizes: RelaySizes | None = None) -> None:
         """After GEMM 2 (or the IPC push): the staged off-node rows into their rail peers' relay
         areas, the wait for this node's owners, then the relay areas along the rails into the
-        landing blocks. expert_offsets None: a rank standing in, with no rows."""
+        landing blocks (whole, or with `sizes` the compact return rows). expert_offsets None: a
+        rank standing in, with no rows."""
         off = self.off
         fn = kernels.function("off_node_relay", "epserve_relay_combine_rows")
         fn((2 * self._sms,), (RELAY_THREADS,), (send_cfg, expert_offsets if expert_offsets is not None else u64(0),
@@ -222,7 +295,7 @@ class Relay:
         fn((1,), (32,), (u64(self._counters.ptr + off.world * 8), self._epochs, i32(off.plan.layout.node_of(
             off.rank) * off.plan.R), i32(off.plan.R), u64(off.timeout_ns), u64(off.signals.local(sig.ERROR)),
             status if status is not None else u64(0)))
-        off.carrier.exchange(*self._group(("combine", landing),
-                                          lambda: self.plan.combine_group(self._combine_area, landing)),
-                             status=status)
+        group = self.combine_group(landing, sizes) if sizes is not None else \
+            self._group(("combine", landing), lambda: self.combine_group(landing))
+        off.carrier.exchange(*group, status=status)
 

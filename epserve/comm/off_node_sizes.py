@@ -71,10 +71,15 @@ class OffNodeSizes:
     returns_from: dict  # combine rows this rank, as home, receives from off-node owner o
 
 
-def _row(table: np.ndarray, s: int) -> np.ndarray:
+def count_row(table: np.ndarray, s: int) -> np.ndarray:
     """Count row s, all zeros when it carries an error code (the kernels publish zeros then)."""
     row = table[s]
     return np.zeros_like(row) if row[-1] != 0 else row
+
+
+def clamp(v, hi: int) -> int:
+    """A count from a row, within [0, hi]: both ends of a transfer clamp alike."""
+    return int(min(max(int(v), 0), hi))
 
 
 def sizes_from_count_rows(table: np.ndarray, rank: int, peers, num_experts: int, max_tokens: int,
@@ -86,12 +91,8 @@ def sizes_from_count_rows(table: np.ndarray, rank: int, peers, num_experts: int,
     E, e_loc = num_experts, num_experts // W
     if table.shape != (W, E + W + 1):
         raise ValueError(f"count table of shape {table.shape}, expected {(W, E + W + 1)}")
-    mine = _row(table, rank)
-
-    def clamp(v, hi):
-        return int(min(max(int(v), 0), hi))
-
-    rows = {s: _row(table, s) for s in peers}
+    mine = count_row(table, rank)
+    rows = {s: count_row(table, s) for s in peers}
     cap = max_tokens * top_k
     return OffNodeSizes(
         tokens_to={d: clamp(mine[E + d], max_tokens) for d in peers},

@@ -184,8 +184,9 @@ def main():
                      ("combine", "capacity", off.combine_group()), ("combine", "host", off.combine_group(sizes))]
         nodes = svc.nodes
         if rank == 0:
-            emit(f"# time_off_node: carrier {off.carrier.name}, {world} ranks as {nodes.nodes} nodes of "
-                 f"{nodes.ranks_per_node}, {pre.name} T={T} H={H} E={E} k={k}, balanced routing (seed {args.seed} + T)")
+            emit(f"# time_off_node: carrier {off.carrier.name}, route {off.route}, {world} ranks as {nodes.nodes} "
+                 f"nodes of {nodes.ranks_per_node}, {pre.name} T={T} H={H} E={E} k={k}, balanced routing "
+                 f"(seed {args.seed} + T)")
             emit(f"# warm-up {args.warmup}, median of {args.iters}, the slowest rank. bytes: what one rank sends per "
                  "call (the most of any rank); sizes capacity: whole blocks (the default), host: the routed rows "
                  f"({SIZES_ENV}=host)")

@@ -11,7 +11,8 @@ import pytest
 
 from epserve.comm import off_node_relay as relay_mod
 from epserve.comm.off_node import OffNodePlan
-from epserve.comm.off_node_relay import RelayPlan, agree_route, route_name
+from epserve.comm.off_node_relay import RelayPlan, agree_route, relay_sizes, route_name
+from epserve.comm.off_node_sizes import sizes_from_count_rows
 from epserve.comm.topology import NodeLayout
 from epserve.errors import ConfigError
 from epserve.runtime import build, kernels
@@ -111,6 +112,41 @@ def test_combine_blocks_reach_the_landing_blocks_the_direct_route_fills(W, R):
         assert landing[h] == {p.off.block(d) * cb: ("rows", d, h) for d in p.off.peers}
 
 
+def routed_table(W, seed):
+    """A count table [W][E + W + 1] of random routing: rows per expert, tokens per destination
+    rank (the direct dispatch's count rows; tests/cpu/test_off_node_sizes.py models them in full)."""
+    rng = np.random.default_rng(seed)
+    table = np.zeros((W, E + W + 1), np.int32)
+    for s in range(W):
+        idx = rng.integers(-1, E, (int(rng.integers(0, T + 1)), K))
+        table[s, :E] = np.bincount(idx[idx >= 0], minlength=E)
+        table[s, E:E + W] = [((idx >= 0) & (idx // (E // W) == d)).any(axis=1).sum() for d in range(W)]
+    return table
+
+
+@pytest.mark.parametrize("W,R", LAYOUTS)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_routed_sizes_agree_at_both_ends_and_with_the_direct_route(W, R, seed):
+    """EPSERVE_OFFNODE_SIZES=host: each rank reads its own and its rail peers' rows only; every
+    sized send meets its receive, and each block carries what the direct route's sized groups
+    carry for the same pair of ranks (token rows s -> d, return rows o -> h)."""
+    table, ps, staging, relay = routed_table(W, seed), plans(W, R), Staging(), Staging()
+    sizes = [relay_sizes(table, p) for p in ps]
+    direct = [sizes_from_count_rows(table, r, ps[r].off.peers, E, T, K) for r in range(W)]
+    assert matched([p.rows_group(staging, 1 << 40, z) for p, z in zip(ps, sizes)])
+    assert matched([p.combine_group(relay, 1 << 40, z) for p, z in zip(ps, sizes)])
+    for r, (p, z) in enumerate(zip(ps, sizes)):
+        assert z.tokens_to == direct[r].tokens_to and z.returns_from == direct[r].returns_from
+        for (s, d), n in z.relayed_in.items():
+            assert n == direct[s].tokens_to[d]
+        for (h, o), n in z.relayed_out.items():
+            assert n == direct[o].returns_to[h]
+        read = {r} | {p.rail(c) for c in p.other_nodes}  # the rows relay_sizes may read
+        blank = table.copy()
+        blank[[x for x in range(W) if x not in read]] = -7
+        assert relay_sizes(blank, p) == z
+
+
 def test_relay_areas_hold_r_blocks_per_other_node():
     p = plans(8, 2)[3]
     assert p.dispatch_relay_bytes == 3 * 2 * p.block_bytes
@@ -141,9 +177,9 @@ def test_the_ranks_agree_on_the_route(monkeypatch):
     assert agree_route(Comm([("relay", None)]), 2, None, None) == "relay"
     with pytest.raises(ConfigError, match="different off-node routes"):
         agree_route(Comm([("direct", None)]), 2, None, None)
-    for sizes, overlap in (("host", None), (None, 8)):
-        with pytest.raises(ConfigError, match="serves the capacity blocks"):
-            agree_route(Comm([("relay", None)]), 2, sizes, overlap)
+    assert agree_route(Comm([("relay", None)]), 2, "host", None) == "relay"
+    with pytest.raises(ConfigError, match="sends the combine after GEMM 2 only"):
+        agree_route(Comm([("relay", None)]), 2, None, 8)
     monkeypatch.delenv(relay_mod.ROUTE_ENV)
     assert agree_route(Comm([("direct", None)]), 2, "host", 8) == "direct"
 

@@ -120,49 +120,59 @@ def test_send_under_gemm2_is_bitwise_the_one_node_run(ranks, ranks_per_node, siz
     check(proc, results, planned, ranks, carrier, ranks // ranks_per_node, sizes=sizes, overlap=True)
 
 
-# (ranks, ranks per node, carrier, all on one GPU, service shapes), with EPSERVE_OFFNODE_ROUTE=relay
+# (ranks, ranks per node, sizes, carrier, all on one GPU, service shapes), with EPSERVE_OFFNODE_ROUTE=relay
 RELAY_CASES = [
-    pytest.param(2, 1, "ipc", True, None, id="2-nodes-of-1-relay"),
-    pytest.param(4, 2, "ipc", True, None, id="2-nodes-of-2-relay"),
-    pytest.param(8, 2, "ipc", True, 1, id="4-nodes-of-2-relay"),
-    pytest.param(8, 4, "ipc", True, 1, id="2-nodes-of-4-relay"),
-    pytest.param(4, 2, "ipc", False, None, id="2-nodes-of-2-relay-2-gpus"),
-    pytest.param(2, 1, "nccl", False, None, id="2-nodes-of-1-nccl-2-gpus-relay"),
+    pytest.param(2, 1, "capacity", "ipc", True, None, id="2-nodes-of-1-relay"),
+    pytest.param(4, 2, "capacity", "ipc", True, None, id="2-nodes-of-2-relay"),
+    pytest.param(8, 2, "capacity", "ipc", True, 1, id="4-nodes-of-2-relay"),
+    pytest.param(8, 4, "capacity", "ipc", True, 1, id="2-nodes-of-4-relay"),
+    pytest.param(4, 2, "host", "ipc", True, None, id="2-nodes-of-2-relay-host-sizes"),
+    pytest.param(8, 2, "host", "ipc", True, 1, id="4-nodes-of-2-relay-host-sizes"),
+    pytest.param(4, 2, "capacity", "ipc", False, None, id="2-nodes-of-2-relay-2-gpus"),
+    pytest.param(2, 1, "capacity", "nccl", False, None, id="2-nodes-of-1-nccl-2-gpus-relay"),
+    pytest.param(2, 1, "host", "nccl", False, None, id="2-nodes-of-1-nccl-2-gpus-relay-host-sizes"),
 ]
 
 
-@pytest.mark.parametrize("ranks,ranks_per_node,carrier,share_gpu,shapes", RELAY_CASES)
-def test_relay_through_rail_peers_is_bitwise_the_one_node_run(ranks, ranks_per_node, carrier, share_gpu, shapes):
+@pytest.mark.parametrize("ranks,ranks_per_node,sizes,carrier,share_gpu,shapes", RELAY_CASES)
+def test_relay_through_rail_peers_is_bitwise_the_one_node_run(ranks, ranks_per_node, sizes, carrier, share_gpu,
+                                                              shapes):
     """EPSERVE_OFFNODE_ROUTE=relay: each rank talks across nodes only to the ranks of its local
     index (one transfer per node pair and rail), which forward over IPC inside their node; the
-    same bits as one node, fused and unfused, and the bad inputs still stop every rank."""
+    same bits as one node, fused and unfused, the bad inputs still stop every rank, and with
+    routed sizes the host's sizes are the routing's and capture is refused."""
     if not share_gpu and gpu_count() < 2:
         pytest.skip("needs two GPUs")
-    proc, results, planned = run_off_node(ranks, ranks_per_node, carrier, share_gpu, shapes=shapes, route="relay")
-    check(proc, results, planned, ranks, carrier, ranks // ranks_per_node, route="relay")
+    proc, results, planned = run_off_node(ranks, ranks_per_node, carrier, share_gpu, shapes=shapes,
+                                          sizes=None if sizes == "capacity" else sizes, route="relay")
+    check(proc, results, planned, ranks, carrier, ranks // ranks_per_node, sizes=sizes, route="relay")
 
 
 def test_relay_refuses_the_settings_it_does_not_serve():
-    """EPSERVE_OFFNODE_ROUTE=relay with EPSERVE_OFFNODE_SIZES=host: every rank refuses at setup."""
-    proc, results, _ = run_off_node(2, 1, "ipc", True, shapes=1, sizes="host", route="relay")
+    """EPSERVE_OFFNODE_ROUTE=relay with EPSERVE_OFFNODE_OVERLAP=1: every rank refuses at setup."""
+    proc, results, _ = run_off_node(2, 1, "ipc", True, shapes=1, overlap=True, route="relay")
     assert proc.returncode != 0 or any(not r["ok"] for r in results), explain(proc)
-    assert "EPSERVE_OFFNODE_ROUTE=relay serves the capacity blocks" in proc.stdout + proc.stderr, explain(proc)
+    assert "EPSERVE_OFFNODE_ROUTE=relay sends the combine after GEMM 2 only" in proc.stdout + proc.stderr, \
+        explain(proc)
 
 
-def test_timing_job_runs_on_one_gpu():
+@pytest.mark.parametrize("route,ranks,ranks_per_node", [("direct", 2, 1), ("relay", 4, 2)])
+def test_timing_job_runs_on_one_gpu(route, ranks, ranks_per_node):
     """launch/jobs/time_off_node.py with the ipc carrier on one shared GPU: the table, every
-    transfer's bytes as the ranks sent them (#wrong 0), the NCCL column n/a."""
-    cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "-n", "2", "--timeout", "300", "--share-gpu", "--",
-           sys.executable, "-m", "mpi4py", str(ROOT / "launch" / "jobs" / "time_off_node.py"), "--tokens", "256",
-           "--iters", "5", "--warmup", "2"]
-    env = dict(os.environ, EPSERVE_OFFNODE_CARRIER="ipc", EPSERVE_RANKS_PER_NODE="1")
+    transfer's bytes as the ranks sent them (#wrong 0), the NCCL column n/a; for both routes
+    (the relay's groups along the rails, capacity and routed sizes)."""
+    cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "-n", str(ranks), "--timeout", "300", "--share-gpu",
+           "--", sys.executable, "-m", "mpi4py", str(ROOT / "launch" / "jobs" / "time_off_node.py"), "--tokens",
+           "256", "--iters", "5", "--warmup", "2"]
+    env = dict(os.environ, EPSERVE_OFFNODE_CARRIER="ipc", EPSERVE_RANKS_PER_NODE=str(ranks_per_node),
+               EPSERVE_OFFNODE_ROUTE=route)
     env.pop("EPSERVE_OFFNODE_SIZES", None)  # the job sets it itself
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=360, cwd=ROOT, env=env)
     assert proc.returncode == 0, explain(proc)
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("dispatch", "combine", "counts"))]
     assert len(rows) == 5, explain(proc)  # counts; dispatch and combine, capacity and host sizes
     assert all(row[-1] == "0" and "n/a" in row for row in rows), explain(proc)  # #wrong 0, no NCCL
-    assert "# time_off_node: carrier ipc" in proc.stdout, explain(proc)
+    assert f"# time_off_node: carrier ipc, route {route}" in proc.stdout, explain(proc)
 
 
 def test_nccl_carrier_is_refused_where_ranks_share_a_gpu():
