@@ -17,9 +17,11 @@
 //   epserve_relay_combine_rows   after GEMM 2 (or the IPC push) staged the rows of off-node
 //                                homes: each row into the combine relay area of the home's rail
 //                                peer on this node (IPC), at (home's node, this owner), slot
-//                                (t, j); then combine_relay[owner] += 1 in every node rank
-//   epserve_relay_combine_wait   before the combine's carrier group: every owner of this node
-//                                has relayed (bounded)
+//                                (t, j); then combine_relay[home's node][owner] += 1 in every
+//                                node rank. All other nodes' homes, or (the send under GEMM 2,
+//                                EPSERVE_OFFNODE_OVERLAP=1) one node's, once GEMM 2 staged them
+//   epserve_relay_combine_wait   before the combine's carrier group (of all nodes, or of one):
+//                                every owner of this node has relayed (bounded)
 //
 // Counters only grow, one step per call on every rank whether the call goes on or was stopped
 // by the dispatch verdict (nothing is copied then), so they stay in step with the epochs. A
@@ -183,12 +185,14 @@ extern "C" __global__ void __launch_bounds__(32)
 // names this call's rows and whose off_recv is the combine staging they were stored into;
 // expert_offsets: the call's (null: no rows, a rank standing in). relay[q]: node rank q's
 // combine relay area, block (other_node_index(home's node) * R + owner's local index) of
-// max_tokens * k rows of hidden bf16; relay_arrive[q]: its counters [W], by owner.
+// max_tokens * k rows of hidden bf16; relay_arrive[q]: its counters [nodes][W], by home node
+// and owner. only_node: the homes of that node only, or -1: of every other node.
 extern "C" __global__ void __launch_bounds__(kRelayThreads)
     epserve_relay_combine_rows(const PeerSendConfig cfg, const int* __restrict__ expert_offsets, int experts_per_rank,
                                bf16_t* const* __restrict__ relay, unsigned long long* const* __restrict__ relay_arrive,
-                               unsigned* __restrict__ done) {
+                               unsigned* __restrict__ done, int only_node) {
   const int R = cfg.ranks_per_node, me = cfg.rank - cfg.node_first, a = cfg.rank / R, k = cfg.top_k;
+  const int W = cfg.world, N = W / R;
   const long long H = cfg.hidden, block_rows = static_cast<long long>(cfg.max_tokens) * k;
   __shared__ int ok[EPSERVE_MAX_PEERS];
   // Combine e into a relay area once its rank has sent combine e - 1 from it: its reduction,
@@ -206,6 +210,7 @@ extern "C" __global__ void __launch_bounds__(kRelayThreads)
     const RowSource src = decode_src_info(cfg.src_info[m]);
     if (src.rank >= cfg.world || src.token >= cfg.max_tokens || src.slot >= k) continue;  // the sink refused it
     if (node_index(src.rank, cfg.node_first, R) >= 0) continue;                           // home on this node
+    if (only_node >= 0 && src.rank / R != only_node) continue;
     const int p = src.rank % R;  // the home's rail peer here: this node's rank of its local index
     if (!ok[p]) continue;
     const long long slot = static_cast<long long>(src.token) * k + src.slot;
@@ -216,24 +221,34 @@ extern "C" __global__ void __launch_bounds__(kRelayThreads)
                 H / 8, lane);
   }
   fence_acq_rel_sys();
-  if (last_block_done(done) && threadIdx.x < R && ok[threadIdx.x])
-    red_release_sys_add(relay_arrive[threadIdx.x] + cfg.rank, 1ull);
+  if (last_block_done(done))
+    for (int i = threadIdx.x; i < N * R; i += blockDim.x) {
+      const int c = i / R, q = i % R;
+      if (c != a && (only_node < 0 || c == only_node) && ok[q])
+        red_release_sys_add(relay_arrive[q] + static_cast<long long>(c) * W + cfg.rank, 1ull);
+    }
 }
 
-// One warp. my_combine_relay: this rank's counters [W], by owner; epochs[1]: the relayed
-// combines so far. Runs whatever the call's status (the owners count stopped calls too), and
-// the carrier group follows whatever it finds (its peers make theirs).
+// One warp. my_combine_relay: this rank's counters [nodes][W], by home node and owner;
+// epochs[1]: the relayed combines so far, which the call's last wait (advance) moves on. Waits
+// for the owners of this node to have relayed their rows for node only_node's homes, or (-1)
+// for every other node's. Runs whatever the call's status (the owners count stopped calls too),
+// and the carrier group follows whatever it finds (its peers make theirs).
 extern "C" __global__ void __launch_bounds__(32)
     epserve_relay_combine_wait(const unsigned long long* __restrict__ my_combine_relay,
-                               unsigned long long* __restrict__ epochs, int node_first, int R,
-                               unsigned long long timeout_ns, int* __restrict__ error, int* __restrict__ status) {
-  const int lane = threadIdx.x;
+                               unsigned long long* __restrict__ epochs, int rank, int world, int R, int only_node,
+                               int advance, unsigned long long timeout_ns, int* __restrict__ error,
+                               int* __restrict__ status) {
+  const int lane = threadIdx.x, first = rank / R * R, N = world / R;
   const unsigned long long e = epochs[1] + 1;
-  for (int q = lane; q < R; q += 32)
-    if (!wait_at_least(my_combine_relay + node_first + q, e, timeout_ns)) {
-      record_error(error, kOffNodeRelayTimeout, node_first + q, 1);
+  for (int i = lane; i < N * R; i += 32) {
+    const int c = i / R, o = first + i % R;
+    if (c == rank / R || (only_node >= 0 && c != only_node)) continue;
+    if (!wait_at_least(my_combine_relay + static_cast<long long>(c) * world + o, e, timeout_ns)) {
+      record_error(error, kOffNodeRelayTimeout, o, 1);
       mark_call_failed(status);
     }
+  }
   __syncwarp();
-  if (lane == 0) epochs[1] = e;
+  if (lane == 0 && advance) epochs[1] = e;
 }

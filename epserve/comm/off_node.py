@@ -407,7 +407,7 @@ class OffNode:
                 raise RuntimeError("a compact combine before any direct dispatch with EPSERVE_OFFNODE_SIZES=host")
             send_cfg, expert_offsets = rows
             self.relay.exchange_combine(send_cfg, expert_offsets, experts_per_rank, int(self._landing.ptr), status,
-                                        self._last if compact else None)
+                                        self._last if compact else None, by_node=self.overlap is not None)
             self.land_combine(topk_idx, T, k, H, experts_per_rank, recv, status, compact)
             return
         if compact:

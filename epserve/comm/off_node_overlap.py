@@ -139,9 +139,12 @@ class OverlappedSend:
             wait = kernels.function("off_node_overlap", "epserve_off_node_rows_wait")
             timeout_ns = u64(WAIT_TIMEOUTS * off.timeout_ns)
             error = u64(off.signals.local(sig.ERROR))
-            for g in self._node_groups(compact):
+            groups = self._node_groups(compact)
+            for i, g in enumerate(groups):
                 wait((1,), (32,), (u64(self._done), self._expected, i32(g.first_block), i32(g.ranks),
                                    i32(g.first_rank), timeout_ns, error, status_arg))
+                if off.relay is not None:  # through the rail peers (off_node_relay.py): this node's homes' rows
+                    off.relay.relay_node(cfg, expert_offsets, experts_per_rank, g.node, i == len(groups) - 1, status)
                 if g.sends or g.recvs:  # a sized group may have nothing (both ends leave out the same)
                     off.carrier.exchange(g.sends, g.recvs, status=status)
             self._join.record(self._side)

@@ -37,7 +37,8 @@ The same bytes in the same slots of the same buffers as the direct route, so the
 with EPSERVE_OFFNODE_SIZES=host (the count rows read on the host once per dispatch) each rail
 transfer carries its R blocks' routed rows only (R messages to the one peer; relay_sizes) and
 the combine returns compact blocks. The NVLink forwarding moves the routed rows either way.
-EPSERVE_OFFNODE_OVERLAP=1 is refused with the relay in this version.
+With EPSERVE_OFFNODE_OVERLAP=1 (epserve/comm/off_node_overlap.py) the combine's relay runs per
+destination node on the side stream, each node's rows relayed as soon as GEMM 2 has staged them.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import numpy as np
 
 from epserve.comm import signals as sig
 from epserve.comm.carriers import Recv, Send
+from epserve.comm.off_node_overlap import groups_by_node
 from epserve.comm.off_node_sizes import clamp, count_row
 from epserve.errors import ConfigError
 from epserve.runtime import kernels
@@ -68,20 +70,14 @@ def route_name() -> str:
     return name
 
 
-def agree_route(comm, nodes: int, sizes: str | None, overlap: int | None) -> str | None:
+def agree_route(comm, nodes: int) -> str | None:
     """Collective, at setup, before any CUDA call: None on one node, else the route
-    EPSERVE_OFFNODE_ROUTE names, the same on every rank, or ConfigError on every rank (also
-    when the relay meets a setting it does not serve yet; those settings are agreed already,
-    so every rank refuses alike)."""
+    EPSERVE_OFFNODE_ROUTE names, the same on every rank, or ConfigError on every rank."""
     from epserve.comm.mpi import agree_choice
 
     if nodes == 1:
         return None
-    route = agree_choice(comm, route_name, ROUTE_ENV, "off-node routes")
-    if route == "relay" and overlap is not None:
-        raise ConfigError(f"{ROUTE_ENV}=relay sends the combine after GEMM 2 only, so far: unset "
-                          "EPSERVE_OFFNODE_OVERLAP, or use the direct route")
-    return route
+    return agree_choice(comm, route_name, ROUTE_ENV, "off-node routes")
 
 
 @dataclass(frozen=True)
@@ -232,10 +228,12 @@ class Relay:
         self._dispatch_area = cupy.cuda.alloc(max(16, self.plan.dispatch_relay_bytes))
         # the combine relay area: the carrier's send side and written by this node's ranks
         self._combine_area = off.carrier.node_staging(self.plan.combine_relay_bytes)
-        # counters [2][W] u64, by rank: dispatch rows relayed to this rank by source; combine
-        # rows relayed to this rank by owner (only these kernels write them; they only grow)
-        self._counters = group.allocate(2 * W * 8)
-        self._counters.view(np.uint64, (2 * W,)).fill(0)
+        # counters u64, by rank: [W] dispatch rows relayed to this rank, by source; [nodes][W]
+        # combine rows relayed to this rank, by home node and owner (only these kernels write
+        # them; they only grow)
+        n = W + W // off.plan.R * W
+        self._counters = group.allocate(n * 8)
+        self._counters.view(np.uint64, (n,)).fill(0)
         self._dispatch_arrive = cupy.asarray(np.array([self._counters.peer_ptr(d) for d in node], np.uint64))
         self._combine_arrive = cupy.asarray(np.array([self._counters.peer_ptr(d) + W * 8 for d in node], np.uint64))
         self._combine_areas = cupy.asarray(np.array([self._combine_area.peer_ptr(d) for d in node], np.uint64))
@@ -280,22 +278,38 @@ class Relay:
         fn = kernels.function("off_node_relay", "epserve_relay_rows_wait")
         fn((1,), (32,), (cfg, u64(self._counters.ptr), self._epochs, expert_offsets, i32(experts_per_rank)))
 
-    def exchange_combine(self, send_cfg, expert_offsets, experts_per_rank: int, landing: int, status,
-                         sizes: RelaySizes | None = None) -> None:
-        """After GEMM 2 (or the IPC push): the staged off-node rows into their rail peers' relay
-        areas, the wait for this node's owners, then the relay areas along the rails into the
-        landing blocks (whole, or with `sizes` the compact return rows). expert_offsets None: a
+    def relay_node(self, send_cfg, expert_offsets, experts_per_rank: int, node: int, last: bool, status) -> None:
+        """The staged rows of node `node`'s homes (-1: every other node's) into their rail peers'
+        relay areas, then the wait for this node's owners to have relayed theirs; `last`: the
+        call's last such wait (it moves the relayed combines' count on). expert_offsets None: a
         rank standing in, with no rows."""
         off = self.off
         fn = kernels.function("off_node_relay", "epserve_relay_combine_rows")
         fn((2 * self._sms,), (RELAY_THREADS,), (send_cfg, expert_offsets if expert_offsets is not None else u64(0),
                                                  i32(experts_per_rank), self._combine_areas, self._combine_arrive,
-                                                 self._done[1:2]))
+                                                 self._done[1:2], i32(node)))
         fn = kernels.function("off_node_relay", "epserve_relay_combine_wait")
-        fn((1,), (32,), (u64(self._counters.ptr + off.world * 8), self._epochs, i32(off.plan.layout.node_of(
-            off.rank) * off.plan.R), i32(off.plan.R), u64(off.timeout_ns), u64(off.signals.local(sig.ERROR)),
-            status if status is not None else u64(0)))
+        fn((1,), (32,), (u64(self._counters.ptr + off.world * 8), self._epochs, i32(off.rank), i32(off.world),
+                         i32(off.plan.R), i32(node), i32(1 if last else 0), u64(off.timeout_ns),
+                         u64(off.signals.local(sig.ERROR)), status if status is not None else u64(0)))
+
+    def exchange_combine(self, send_cfg, expert_offsets, experts_per_rank: int, landing: int, status,
+                         sizes: RelaySizes | None = None, by_node: bool = False) -> None:
+        """After GEMM 2 (or the IPC push): the staged off-node rows into their rail peers' relay
+        areas, the wait for this node's owners, then the relay areas along the rails into the
+        landing blocks (whole, or with `sizes` the compact return rows). by_node: one
+        destination node after the other, as the send under GEMM 2 makes its groups (a rank
+        whose combine is not under GEMM 2 then matches them). expert_offsets None: a rank
+        standing in, with no rows."""
         group = self.combine_group(landing, sizes) if sizes is not None else \
             self._group(("combine", landing), lambda: self.combine_group(landing))
-        off.carrier.exchange(*group, status=status)
+        if not by_node:
+            self.relay_node(send_cfg, expert_offsets, experts_per_rank, -1, True, status)
+            self.off.carrier.exchange(*group, status=status)
+            return
+        groups = groups_by_node(self.off.plan, *group)
+        for i, g in enumerate(groups):
+            self.relay_node(send_cfg, expert_offsets, experts_per_rank, g.node, i == len(groups) - 1, status)
+            if g.sends or g.recvs:
+                self.off.carrier.exchange(g.sends, g.recvs, status=status)
 

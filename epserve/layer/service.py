@@ -120,8 +120,7 @@ class EPService:
         (EPSERVE_GEMM, EPSERVE_GEMM2_SPLIT_K) are unknown or differ, or, across nodes, the off-node carrier
         (EPSERVE_OFFNODE_CARRIER), sizes (EPSERVE_OFFNODE_SIZES), overlap
         (EPSERVE_OFFNODE_OVERLAP, EPSERVE_OFFNODE_OVERLAP_SMS) or route (EPSERVE_OFFNODE_ROUTE) are
-        unknown or differ between ranks, or the relay route meets a setting it does not serve,
-        also before any CUDA call, or the carrier cannot run here (nccl where ranks share a
+        unknown or differ between ranks, also before any CUDA call, or the carrier cannot run here (nccl where ranks share a
         GPU); RankFailedError naming each
         rank that has no usable GPU or failed to allocate or map a buffer. MPI must be
         running: started without mpirun/mpiexec, the communicator has one rank.
@@ -137,7 +136,7 @@ class EPService:
         self._offnode_sizes = agree_sizes(self.comm, self.nodes.nodes)  # across nodes: "capacity" or "host"
         self._offnode_overlap = agree_overlap(self.comm, self.nodes.nodes)  # across nodes: free SMs, or None
         # across nodes: "direct" or "relay" (along the rails, then over NVLink)
-        self._offnode_route = agree_route(self.comm, self.nodes.nodes, self._offnode_sizes, self._offnode_overlap)
+        self._offnode_route = agree_route(self.comm, self.nodes.nodes)
         # The grouped GEMM's settings (EPSERVE_GEMM, EPSERVE_GEMM2_SPLIT_K): a name that does not
         # exist would otherwise raise mid-forward, after the dispatch has moved rows.
         ep_comm.agree_choice(self.comm, gemm.gemm_impl, "EPSERVE_GEMM", "grouped GEMMs")

@@ -273,7 +273,7 @@ def test_side_stream_launches_match_their_kernels(ptx, monkeypatch):
     monkeypatch.setattr(ovl, "cupy", fake_cupy)
     plan = OffNodePlan(NodeLayout(8, 2), 3, 64, 4, 256, 256, 40)
     off = types.SimpleNamespace(
-        plan=plan, timeout_ns=10**9, signals=types.SimpleNamespace(local=lambda a: 0x2000),
+        plan=plan, timeout_ns=10**9, signals=types.SimpleNamespace(local=lambda a: 0x2000), relay=None,
         carrier=types.SimpleNamespace(exchange=lambda s, r, status=None: exchanges.append((s, r))),
         combine_group=lambda sizes=None: plan.combine_group(types.SimpleNamespace(), 1 << 40, sizes))
     send = ovl.OverlappedSend.__new__(ovl.OverlappedSend)

@@ -173,15 +173,15 @@ class Comm:
 
 def test_the_ranks_agree_on_the_route(monkeypatch):
     monkeypatch.setenv(relay_mod.ROUTE_ENV, "relay")
-    assert agree_route(Comm([]), 1, None, None) is None  # one node: no route
-    assert agree_route(Comm([("relay", None)]), 2, None, None) == "relay"
+    assert agree_route(Comm([]), 1) is None  # one node: no route
+    assert agree_route(Comm([("relay", None)]), 2) == "relay"
     with pytest.raises(ConfigError, match="different off-node routes"):
-        agree_route(Comm([("direct", None)]), 2, None, None)
-    assert agree_route(Comm([("relay", None)]), 2, "host", None) == "relay"
-    with pytest.raises(ConfigError, match="sends the combine after GEMM 2 only"):
-        agree_route(Comm([("relay", None)]), 2, None, 8)
+        agree_route(Comm([("direct", None)]), 2)
+    monkeypatch.setenv(relay_mod.ROUTE_ENV, "hops")
+    with pytest.raises(ConfigError, match="rank 0: EPSERVE_OFFNODE_ROUTE='hops'"):
+        agree_route(Comm([("direct", None)]), 2)
     monkeypatch.delenv(relay_mod.ROUTE_ENV)
-    assert agree_route(Comm([("direct", None)]), 2, "host", 8) == "direct"
+    assert agree_route(Comm([("direct", None)]), 2) == "direct"
 
 
 class Ptr:
@@ -236,6 +236,12 @@ def test_launches_match_their_kernels(monkeypatch, tmp_path):
         "epserve_relay_count_rows", "epserve_relay_token_blocks", "epserve_relay_rows_wait",
         "epserve_relay_combine_rows", "epserve_relay_combine_wait",
         "epserve_relay_combine_rows", "epserve_relay_combine_wait"]
+    assert len(exchanges) == 4  # counts, rows, and a combine group per combine
+    # the node after node order of the send under GEMM 2 (EPSERVE_OFFNODE_OVERLAP=1): a relay,
+    # a wait and a group per other node, the last wait alone moving the count of combines on
+    r.exchange_combine(scfg, Ptr(), E // 8, 0x6000, Ptr(), by_node=True)
+    waits = [args for name, args in Called.calls[7:] if name == "epserve_relay_combine_wait"]
+    assert [int(a[5][0]) for a in waits] == [0, 2, 3] and [int(a[6][0]) for a in waits] == [0, 0, 1]
+    assert len(exchanges) == 4 + 3
     for name, args in Called.calls:
         assert [8 if isinstance(a, Ptr) else np.asarray(a).nbytes for a in args] == param_sizes(ptx, name), name
-    assert len(exchanges) == 4  # counts, rows, and a combine group per combine

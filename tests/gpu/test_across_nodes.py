@@ -148,12 +148,25 @@ def test_relay_through_rail_peers_is_bitwise_the_one_node_run(ranks, ranks_per_n
     check(proc, results, planned, ranks, carrier, ranks // ranks_per_node, sizes=sizes, route="relay")
 
 
-def test_relay_refuses_the_settings_it_does_not_serve():
-    """EPSERVE_OFFNODE_ROUTE=relay with EPSERVE_OFFNODE_OVERLAP=1: every rank refuses at setup."""
-    proc, results, _ = run_off_node(2, 1, "ipc", True, shapes=1, overlap=True, route="relay")
-    assert proc.returncode != 0 or any(not r["ok"] for r in results), explain(proc)
-    assert "EPSERVE_OFFNODE_ROUTE=relay sends the combine after GEMM 2 only" in proc.stdout + proc.stderr, \
-        explain(proc)
+# (ranks, ranks per node, sizes, carrier, all on one GPU, service shapes): the relay with the send
+# under GEMM 2 (EPSERVE_OFFNODE_OVERLAP=1)
+RELAY_OVERLAP_CASES = [
+    pytest.param(4, 2, "capacity", "ipc", True, None, id="2-nodes-of-2-relay-overlap"),
+    pytest.param(8, 2, "host", "ipc", True, 1, id="4-nodes-of-2-relay-overlap-host-sizes"),
+    pytest.param(2, 1, "capacity", "nccl", False, None, id="2-nodes-of-1-nccl-2-gpus-relay-overlap"),
+]
+
+
+@pytest.mark.parametrize("ranks,ranks_per_node,sizes,carrier,share_gpu,shapes", RELAY_OVERLAP_CASES)
+def test_relay_under_gemm2_is_bitwise_the_one_node_run(ranks, ranks_per_node, sizes, carrier, share_gpu, shapes):
+    """EPSERVE_OFFNODE_ROUTE=relay with EPSERVE_OFFNODE_OVERLAP=1: on the side stream, each
+    destination node's rows go to the rail peers as soon as GEMM 2 has staged them, then along
+    the rails; the same bits as one node, every fused call sent that way, capture refused."""
+    if not share_gpu and gpu_count() < 2:
+        pytest.skip("needs two GPUs")
+    proc, results, planned = run_off_node(ranks, ranks_per_node, carrier, share_gpu, shapes=shapes,
+                                          sizes=None if sizes == "capacity" else sizes, overlap=True, route="relay")
+    check(proc, results, planned, ranks, carrier, ranks // ranks_per_node, sizes=sizes, overlap=True, route="relay")
 
 
 @pytest.mark.parametrize("route,ranks,ranks_per_node", [("direct", 2, 1), ("relay", 4, 2)])
