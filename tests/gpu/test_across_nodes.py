@@ -169,6 +169,23 @@ def test_relay_under_gemm2_is_bitwise_the_one_node_run(ranks, ranks_per_node, si
     check(proc, results, planned, ranks, carrier, ranks // ranks_per_node, sizes=sizes, overlap=True, route="relay")
 
 
+@pytest.mark.parametrize("route", ["direct", "relay"])
+def test_forward_captured_across_nodes_replays_bitwise(route):
+    """The capacity blocks need no host wait, so forward across nodes goes into a CUDA graph:
+    launch/jobs/check_graph.py at 4 ranks as 2 nodes of 2 (ipc carrier, one shared GPU), every
+    replay bitwise the eager forward, a bad expert id under the graph poisons out and raises on
+    every rank, and the next replay is right again."""
+    cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "-n", "4", "--timeout", "300", "--share-gpu", "--",
+           sys.executable, "-m", "mpi4py", str(ROOT / "launch" / "jobs" / "check_graph.py"), "--replays", "12"]
+    env = dict(os.environ, EPSERVE_OFFNODE_CARRIER="ipc", EPSERVE_RANKS_PER_NODE="2", EPSERVE_OFFNODE_ROUTE=route)
+    for name in ("EPSERVE_OFFNODE_SIZES", "EPSERVE_OFFNODE_OVERLAP"):
+        env.pop(name, None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=360, cwd=ROOT, env=env)
+    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and len(results) == 4 and all(r["ok"] for r in results), explain(proc)
+    assert {(r["nodes"], r["route"], r["replays"]) for r in results} == {(2, route, 12)}, results
+
+
 @pytest.mark.parametrize("route,ranks,ranks_per_node", [("direct", 2, 1), ("relay", 4, 2)])
 def test_timing_job_runs_on_one_gpu(route, ranks, ranks_per_node):
     """launch/jobs/time_off_node.py with the ipc carrier on one shared GPU: the table, every
