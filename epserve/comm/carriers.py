@@ -32,12 +32,12 @@ Two implementations, chosen by EPSERVE_OFFNODE_CARRIER (the same on every rank):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import cupy
 import numpy as np
 
+from epserve.comm.settings import env_choice
 from epserve.errors import ConfigError
 from epserve.runtime.kernel_structs import MAX_WORLD
 
@@ -47,10 +47,7 @@ CARRIERS = ("nccl", "ipc")
 
 def carrier_name() -> str:
     """EPSERVE_OFFNODE_CARRIER, "nccl" when unset or empty."""
-    name = os.environ.get(CARRIER_ENV, "").strip().lower() or "nccl"
-    if name not in CARRIERS:
-        raise ConfigError(f"{CARRIER_ENV}={name!r}: the off-node carrier is one of {CARRIERS}")
-    return name
+    return env_choice(CARRIER_ENV, CARRIERS, f"the off-node carrier is one of {CARRIERS}")
 
 
 @dataclass(frozen=True)

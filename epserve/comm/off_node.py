@@ -59,6 +59,7 @@ from epserve.comm import signals as sig
 from epserve.comm.carriers import Recv, Send
 from epserve.comm.off_node_relay import Relay, relay_sizes
 from epserve.comm.off_node_sizes import OffNodeSizes, sizes_from_count_rows
+from epserve.comm.settings import agree_across_nodes
 from epserve.comm.topology import NodeLayout
 from epserve.errors import PeerTimeoutError
 from epserve.runtime import kernels
@@ -475,11 +476,8 @@ def agree_carrier(comm, layout: NodeLayout) -> str | None:
     """Collective, at setup, before any CUDA call: None on one node, else the off-node carrier
     EPSERVE_OFFNODE_CARRIER names, the same on every rank, or ConfigError on every rank."""
     from epserve.comm.carriers import CARRIER_ENV, carrier_name
-    from epserve.comm.mpi import agree_choice
 
-    if layout.nodes == 1:
-        return None
-    return agree_choice(comm, carrier_name, CARRIER_ENV, "off-node carriers")
+    return agree_across_nodes(comm, layout.nodes, carrier_name, CARRIER_ENV, "off-node carriers")
 
 
 def make_off_node(comm, group, signals, layout: NodeLayout, carrier: str | None, *, num_experts: int, top_k: int,

@@ -43,7 +43,6 @@ destination node on the side stream, each node's rows relayed as soon as GEMM 2 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import cupy
@@ -53,7 +52,7 @@ from epserve.comm import signals as sig
 from epserve.comm.carriers import Recv, Send
 from epserve.comm.off_node_overlap import groups_by_node
 from epserve.comm.off_node_sizes import clamp, count_row
-from epserve.errors import ConfigError
+from epserve.comm.settings import agree_across_nodes, env_choice
 from epserve.runtime import kernels
 from epserve.runtime.kernel_structs import i32, u64
 
@@ -64,20 +63,13 @@ RELAY_THREADS = 256  # cuda/comm/off_node_relay.cu kRelayThreads
 
 def route_name() -> str:
     """EPSERVE_OFFNODE_ROUTE, "direct" when unset or empty."""
-    name = os.environ.get(ROUTE_ENV, "").strip().lower() or "direct"
-    if name not in ROUTES:
-        raise ConfigError(f"{ROUTE_ENV}={name!r}: the off-node route is one of {ROUTES}")
-    return name
+    return env_choice(ROUTE_ENV, ROUTES, f"the off-node route is one of {ROUTES}")
 
 
 def agree_route(comm, nodes: int) -> str | None:
     """Collective, at setup, before any CUDA call: None on one node, else the route
     EPSERVE_OFFNODE_ROUTE names, the same on every rank, or ConfigError on every rank."""
-    from epserve.comm.mpi import agree_choice
-
-    if nodes == 1:
-        return None
-    return agree_choice(comm, route_name, ROUTE_ENV, "off-node routes")
+    return agree_across_nodes(comm, nodes, route_name, ROUTE_ENV, "off-node routes")
 
 
 @dataclass(frozen=True)

@@ -31,12 +31,11 @@ recv slot (t, j). Kernels: epserve_off_node_return_slots, epserve_off_node_combi
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from epserve.errors import ConfigError
+from epserve.comm.settings import agree_across_nodes, env_choice
 
 SIZES_ENV = "EPSERVE_OFFNODE_SIZES"
 SIZES = ("capacity", "host")  # capacity: fixed blocks, no host wait (the default); host: the true sizes
@@ -44,21 +43,14 @@ SIZES = ("capacity", "host")  # capacity: fixed blocks, no host wait (the defaul
 
 def sizes_name() -> str:
     """EPSERVE_OFFNODE_SIZES, "capacity" when unset or empty."""
-    name = os.environ.get(SIZES_ENV, "").strip().lower() or "capacity"
-    if name not in SIZES:
-        raise ConfigError(f"{SIZES_ENV}={name!r}: the off-node sizes are one of {SIZES} (capacity: fixed blocks, "
-                          "capturable; host: the routed rows only, one host wait per dispatch)")
-    return name
+    return env_choice(SIZES_ENV, SIZES, f"the off-node sizes are one of {SIZES} (capacity: fixed blocks, "
+                      "capturable; host: the routed rows only, one host wait per dispatch)")
 
 
 def agree_sizes(comm, nodes: int) -> str | None:
     """Collective, at setup, before any CUDA call: None on one node, else the sizes mode
     EPSERVE_OFFNODE_SIZES names, the same on every rank, or ConfigError on every rank."""
-    from epserve.comm.mpi import agree_choice
-
-    if nodes == 1:
-        return None
-    return agree_choice(comm, sizes_name, SIZES_ENV, "off-node sizes")
+    return agree_across_nodes(comm, nodes, sizes_name, SIZES_ENV, "off-node sizes")
 
 
 @dataclass(frozen=True)
