@@ -22,7 +22,7 @@ __device__ void dispatch_verdict(const DispatchConfig& cfg, const int* table, co
   if (code && (who != cfg.rank || code == kRecvOverflow)) record_error(cfg.error, code, who, detail);
   *stopped = code != 0;
   cfg.status[kCallFailed] = code != 0;
-  cfg.status[kCallStopped] = code != 0;
+  cfg.status[kCallStopped] = code != 0 ? kStoppedByVerdict : 0;
 }
 
 // Layout from the W count rows in `table` (both transports): expert_offsets, each source's
@@ -123,7 +123,10 @@ __device__ void direct_layout(const DispatchConfig& cfg, int* __restrict__ exper
       arrived = wait_at_least(cfg.my_count_arrive + s, epoch, cfg.timeout_ns);
       if (!arrived) record_error(cfg.error, kDispatchCountTimeout, s, static_cast<int>(epoch));
     }
-    if (!arrived) cfg.status[kCallFailed] = cfg.status[kCallStopped] = 1;
+    if (!arrived) {
+      cfg.status[kCallFailed] = 1;
+      cfg.status[kCallStopped] = kStoppedByTimeout;
+    }
   }
   __syncthreads();
   if (!arrived) {  // nothing moves from or to here; GEMMs see no rows

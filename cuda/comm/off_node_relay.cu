@@ -6,7 +6,9 @@
 // put it in its node's ranks, so every slot, src_info and reduction order is the one-node run's.
 //
 //   epserve_relay_count_rows     after the carrier landed each rail source's count row in this
-//                                rank's table: the row into every node rank's table (IPC), and
+//                                rank's table: the row into every node rank's table (IPC), once
+//                                that rank has published its own count row of this call (so
+//                                it is done reading the previous call's rows), and
 //                                count_arrive[source] += 1 in each (the layouts' wait)
 //   epserve_relay_token_blocks   after the carrier landed each rail source's R token blocks
 //                                (one per rank of this node) in the relay area: each block's
@@ -14,6 +16,9 @@
 //                                source's block (IPC); then relay_arrive[source] += 1 in each
 //   epserve_relay_rows_wait      before the off-node expand: every other node's source relayed
 //                                to this rank (bounded)
+//   epserve_relay_combine_ready  once a call, before its first combine_rows: which node ranks'
+//                                combine relay areas are free (bounded), one verdict for every
+//                                copy and count of the call
 //   epserve_relay_combine_rows   after GEMM 2 (or the IPC push) staged the rows of off-node
 //                                homes: each row into the combine relay area of the home's rail
 //                                peer on this node (IPC), at (home's node, this owner), slot
@@ -25,9 +30,11 @@
 //
 // Counters only grow, one step per call on every rank whether the call goes on or was stopped
 // by the dispatch verdict (nothing is copied then), so they stay in step with the epochs. A
-// rank whose call failed otherwise (a wait ran out) does not count: the ranks that wait for it
-// fail in turn, within their bound. Each wait's target is a local count of this rank's relayed
-// dispatches or combines (epochs[0], epochs[1]), which only these kernels advance.
+// rank whose call failed otherwise (a wait ran out, its layout's included) does not count: the
+// ranks that wait for it fail in turn, within their bound, rather than read the rows of an
+// earlier call. Each wait's target is a local count of this rank's relayed dispatches or
+// combines (epochs[0], epochs[1]), which only these kernels advance. A wait lane stops at its
+// first timeout, so a call fails within one bound, not one per source.
 #include "comm/dispatch_config.cuh"
 #include "common/errors.cuh"
 #include "common/nodes.cuh"
@@ -66,14 +73,14 @@ __device__ bool last_block_done(unsigned* done) {
   return last;
 }
 
-// Thread q < R: wait (bounded) until node rank q has released what this rank is about to
-// overwrite in it (its ready count has reached `done`); the rank itself needs no wait.
-__device__ __forceinline__ bool node_rank_ready(const unsigned long long* ready, int q, int me, int first,
-                                                unsigned long long done, unsigned long long timeout_ns, int* error,
-                                                int code) {
+// Thread q < R: wait (bounded) until node rank q's counter `counters[first + q]` has reached
+// `target`; the rank itself needs no wait.
+__device__ __forceinline__ bool node_rank_reached(const unsigned long long* counters, int q, int me, int first,
+                                                  unsigned long long target, unsigned long long timeout_ns,
+                                                  int* error, int code) {
   if (q == me) return true;
-  const bool ok = wait_at_least(ready + first + q, done, timeout_ns);
-  if (!ok) record_error(error, code, first + q, static_cast<int>(done + 1));
+  const bool ok = wait_at_least(counters + first + q, target, timeout_ns);
+  if (!ok) record_error(error, code, first + q, static_cast<int>(target));
   return ok;
 }
 
@@ -87,10 +94,14 @@ extern "C" __global__ void __launch_bounds__(kRelayThreads) epserve_relay_count_
   const int R = cfg.ranks_per_node, W = cfg.world, N = W / R, me = cfg.rank - cfg.node_first, a = cfg.rank / R;
   const int row = cfg.num_experts + W + 1;
   __shared__ int ok[EPSERVE_MAX_PEERS];
+  // Node rank q reads the other nodes' rows of its table until its off-node expand (and, with
+  // routed sizes, its return slots), after it released the dispatch: its count row of this
+  // call, published after all that on its stream, says the rows may be overwritten. A rank
+  // that never publishes fails its node peers' layouts anyway (code 6, as here).
   if (threadIdx.x < R)
-    ok[threadIdx.x] = node_rank_ready(cfg.my_ready, threadIdx.x, me, cfg.node_first,
-                                      ld_acquire_sys(cfg.my_ready + cfg.rank), cfg.timeout_ns, cfg.error,
-                                      kDispatchReadyTimeout);
+    ok[threadIdx.x] = node_rank_reached(cfg.my_count_arrive, threadIdx.x, me, cfg.node_first,
+                                        ld_acquire_sys(cfg.my_ready + cfg.rank) + 1, cfg.timeout_ns, cfg.error,
+                                        kDispatchCountTimeout);
   __syncthreads();
   const int* mine = cfg.count_table[me];
   for (int c = 0; c < N; ++c) {
@@ -119,8 +130,8 @@ extern "C" __global__ void __launch_bounds__(kRelayThreads)
                                unsigned long long* const* __restrict__ relay_arrive, unsigned* __restrict__ done) {
   const int R = cfg.ranks_per_node, W = cfg.world, N = W / R, me = cfg.rank - cfg.node_first, a = cfg.rank / R;
   const int E = cfg.num_experts, row = E + W + 1, meta_len = 1 + 2 * cfg.top_k;
-  const bool copy = !call_failed(cfg.status);  // stopped calls count, copying nothing
-  const bool count = copy || call_stopped(cfg.status);
+  const bool copy = !call_failed(cfg.status);  // calls the verdict stopped count, copying nothing
+  const bool count = copy || stopped_by_verdict(cfg.status);
   if (copy) {
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const long long warp = static_cast<long long>(blockIdx.x) * warps + (threadIdx.x >> 5),
@@ -165,7 +176,7 @@ extern "C" __global__ void __launch_bounds__(32)
   const unsigned long long e = epochs[0] + 1;
   if (!call_failed(cfg.status)) {
     bool ok = true;
-    for (int s = lane; s < cfg.world; s += 32) {
+    for (int s = lane; s < cfg.world && ok; s += 32) {
       if (node_index(s, cfg.node_first, R) >= 0) continue;
       if (!wait_at_least(my_relay_arrive + s, e, cfg.timeout_ns)) {
         record_error(cfg.error, kOffNodeRelayTimeout, s, 0);
@@ -181,27 +192,44 @@ extern "C" __global__ void __launch_bounds__(32)
   if (lane == 0) epochs[0] = e;
 }
 
+// One block of at least R threads, once a call before its first epserve_relay_combine_rows.
+// Combine e goes into node rank q's relay area once q has sent combine e - 1 from it: its
+// reduction, which follows that send, has counted e - 1 in ready (the sink's rule for recv).
+// area_ok[q]: 1 when it has (within the bound); every CTA of every copy of the call reads this
+// one verdict, so a block is copied and counted in q wholly or not at all. relayed: the call's
+// verdict on what this rank relays (an int[2] call status: epserve_relay_combine_wait marks it
+// failed), made valid here for the call.
+extern "C" __global__ void epserve_relay_combine_ready(const PeerSendConfig cfg, int* __restrict__ area_ok,
+                                                       int* __restrict__ relayed) {
+  const int q = threadIdx.x, R = cfg.ranks_per_node;
+  if (q == 0) relayed[kCallFailed] = 0;
+  if (q >= R) return;
+  const bool ok = node_rank_reached(cfg.ready, q, cfg.rank - cfg.node_first, cfg.node_first,
+                                    ld_acquire_sys(cfg.ready + cfg.rank), cfg.timeout_ns, cfg.error,
+                                    kPeerReadyTimeout);
+  if (!ok) mark_call_failed(cfg.status);
+  area_ok[q] = ok;
+}
+
 // Any grid of kRelayThreads. cfg: GEMM 2's (or the IPC push's) PeerSendConfig, whose src_info
 // names this call's rows and whose off_recv is the combine staging they were stored into;
 // expert_offsets: the call's (null: no rows, a rank standing in). relay[q]: node rank q's
 // combine relay area, block (other_node_index(home's node) * R + owner's local index) of
 // max_tokens * k rows of hidden bf16; relay_arrive[q]: its counters [nodes][W], by home node
-// and owner. only_node: the homes of that node only, or -1: of every other node.
+// and owner; area_ok: epserve_relay_combine_ready's verdict of this call. only_node: the homes
+// of that node only, or -1: of every other node. A call that failed here before (not one the
+// verdict stopped) is not counted: its staged rows may be an earlier call's, and the rail
+// peers' bounded waits fail in turn.
 extern "C" __global__ void __launch_bounds__(kRelayThreads)
     epserve_relay_combine_rows(const PeerSendConfig cfg, const int* __restrict__ expert_offsets, int experts_per_rank,
                                bf16_t* const* __restrict__ relay, unsigned long long* const* __restrict__ relay_arrive,
-                               unsigned* __restrict__ done, int only_node) {
+                               const int* __restrict__ area_ok, unsigned* __restrict__ done, int only_node) {
   const int R = cfg.ranks_per_node, me = cfg.rank - cfg.node_first, a = cfg.rank / R, k = cfg.top_k;
   const int W = cfg.world, N = W / R;
   const long long H = cfg.hidden, block_rows = static_cast<long long>(cfg.max_tokens) * k;
   __shared__ int ok[EPSERVE_MAX_PEERS];
-  // Combine e into a relay area once its rank has sent combine e - 1 from it: its reduction,
-  // which follows that send, has counted e - 1 in ready (the sink's rule for recv).
-  if (threadIdx.x < R) {
-    ok[threadIdx.x] = node_rank_ready(cfg.ready, threadIdx.x, me, cfg.node_first, ld_acquire_sys(cfg.ready + cfg.rank),
-                                      cfg.timeout_ns, cfg.error, kPeerReadyTimeout);
-    if (!ok[threadIdx.x]) mark_call_failed(cfg.status);
-  }
+  const bool count = !call_failed(cfg.status) || stopped_by_verdict(cfg.status);
+  if (threadIdx.x < R) ok[threadIdx.x] = count && __ldcg(area_ok + threadIdx.x);
   __syncthreads();
   const int M = expert_offsets != nullptr && !call_stopped(cfg.status) ? expert_offsets[experts_per_rank] : 0;
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
@@ -233,20 +261,25 @@ extern "C" __global__ void __launch_bounds__(kRelayThreads)
 // epochs[1]: the relayed combines so far, which the call's last wait (advance) moves on. Waits
 // for the owners of this node to have relayed their rows for node only_node's homes, or (-1)
 // for every other node's. Runs whatever the call's status (the owners count stopped calls too),
-// and the carrier group follows whatever it finds (its peers make theirs).
+// and the carrier group follows whatever it finds (its peers make theirs); an owner that never
+// came fails the call here and marks `relayed` failed, which the group's stamp tells the homes
+// (epserve/comm/off_node_stamps.py).
 extern "C" __global__ void __launch_bounds__(32)
     epserve_relay_combine_wait(const unsigned long long* __restrict__ my_combine_relay,
                                unsigned long long* __restrict__ epochs, int rank, int world, int R, int only_node,
                                int advance, unsigned long long timeout_ns, int* __restrict__ error,
-                               int* __restrict__ status) {
+                               int* __restrict__ status, int* __restrict__ relayed) {
   const int lane = threadIdx.x, first = rank / R * R, N = world / R;
   const unsigned long long e = epochs[1] + 1;
   for (int i = lane; i < N * R; i += 32) {
     const int c = i / R, o = first + i % R;
     if (c == rank / R || (only_node >= 0 && c != only_node)) continue;
-    if (!wait_at_least(my_combine_relay + static_cast<long long>(c) * world + o, e, timeout_ns)) {
+    // this rank's own rows were relayed earlier on this stream, or never will be: no wait
+    if (!wait_at_least(my_combine_relay + static_cast<long long>(c) * world + o, e, o == rank ? 0 : timeout_ns)) {
       record_error(error, kOffNodeRelayTimeout, o, 1);
       mark_call_failed(status);
+      mark_call_failed(relayed);
+      break;
     }
   }
   __syncwarp();

@@ -13,6 +13,11 @@
 //                                    off-node written as its position in its home's compact
 //                                    return block (epserve/comm/off_node_sizes.py)
 //   epserve_off_node_combine_land_compact   the land, from compact return blocks
+//   epserve_off_node_stamp           before a token-row or combine group: the stamp this rank
+//                                    sends each peer at the end of it (this call's number,
+//                                    and whether what it sends is valid)
+//   epserve_off_node_stamps_check    after the group: every peer's stamp is this call's and
+//                                    valid, else the call fails here (kOffNodeStale)
 //   epserve_ipc_carrier_exchange     the IPC TEST carrier: one group of "sends" and "recvs"
 //                                    between ranks that share one GPU (or one NVLink domain),
 //                                    imitating NCCL's grouped send/recv with device-side flags
@@ -46,6 +51,41 @@ __device__ __forceinline__ void warp_copy(uint4* dst, const uint4* src, long lon
 }
 
 }  // namespace
+
+// Stamps (epserve/comm/off_node_stamps.py): the carrier moves bytes and says nothing of them,
+// so a sender whose call failed before it staged (a wait ran out) would otherwise send the
+// previous call's rows, and its receivers would use them without an error. Each token-row and
+// combine group ends, per peer, with 16 bytes: {the call's number of this kind, 1 if the
+// sender's rows are valid}. The numbers count the groups' calls on every rank alike (every
+// call makes them, stopped ones included), so a stamp of another call is found too.
+// One thread. valid: the sender's call status, or the relay's own verdict on what it forwards.
+extern "C" __global__ void epserve_off_node_stamp(unsigned long long* __restrict__ out,
+                                                  const unsigned long long* __restrict__ calls,
+                                                  const int* __restrict__ valid) {
+  out[0] = *calls + 1;
+  out[1] = call_failed(valid) ? 0ull : 1ull;
+}
+
+// One block of 32 threads, after the group. stamps: [world][2] as landed, by sender; peers: the
+// group's n senders; calls: this kind's calls so far (advance: the call's last group moves it
+// on). A call the verdict stopped reads nothing of what came, so it checks nothing.
+extern "C" __global__ void epserve_off_node_stamps_check(const unsigned long long* __restrict__ stamps,
+                                                         const int* __restrict__ peers, int n,
+                                                         unsigned long long* __restrict__ calls, int advance,
+                                                         int kind, int* __restrict__ error,
+                                                         int* __restrict__ status) {
+  const unsigned long long e = *calls + 1;
+  if (!stopped_by_verdict(status))
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const int s = peers[i];
+      if (__ldcg(stamps + 2 * s) != e || __ldcg(stamps + 2 * s + 1) != 1ull) {
+        record_error(error, kOffNodeStale, s, kind);
+        mark_call_failed(status);
+      }
+    }
+  __syncthreads();
+  if (advance && threadIdx.x == 0) *calls = e;
+}
 
 // One block of 32 threads. Every call moves every off-node count row (NCCL's sizes are fixed),
 // so every call adds exactly 1, as the IPC publish does.

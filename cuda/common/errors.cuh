@@ -22,15 +22,20 @@ enum ErrorCode : int {
   kOffNodeRowsTimeout = 12,     // across nodes, overlap: GEMM 2 never staged `detail` units more for home `peer`
   kOffNodeRelayTimeout = 13,    // across nodes, relay: rank `peer`'s rows never reached this rank (detail 0: its
                                 // dispatch rows, relayed; 1: its combine rows, to relay on)
+  kOffNodeStale = 14,           // across nodes: what rank `peer` sent this call over the carrier is not valid (its
+                                // stamp says it failed, or is another call's; detail 0: token rows, 1: combine rows)
 };
 
 // A call's status on this rank (int[2], local), written fresh by the dispatch layout kernel
 // of every call and read by every later kernel of that call, so no host needs to look:
 //   [kCallFailed]   nonzero when this call failed here: its output is poisoned
-//   [kCallStopped]  nonzero when the verdict stopped the call before any row moved; every
-//                   rank reaches the same verdict from the same count rows, so no rank
-//                   sends, and nobody expects rows
+//   [kCallStopped]  nonzero when the call stopped before any row moved here: kStoppedByVerdict
+//                   when the verdict stopped it (every rank reaches the same verdict from the
+//                   same count rows, so no rank sends, and nobody expects rows), or
+//                   kStoppedByTimeout when this rank's layout ran out of time waiting for a
+//                   count row (only this rank stopped: the others go on and wait for it)
 enum CallStatus : int { kCallFailed = 0, kCallStopped = 1 };
+enum StopReason : int { kStoppedByVerdict = 1, kStoppedByTimeout = 2 };
 
 __device__ __forceinline__ void mark_call_failed(int* status) {
   if (status) atomicExch(status + kCallFailed, 1);
@@ -40,6 +45,10 @@ __device__ __forceinline__ bool call_failed(const int* status) {
 }
 __device__ __forceinline__ bool call_stopped(const int* status) {
   return status && *(volatile const int*)(status + kCallStopped);
+}
+// Stopped on every rank alike: the ranks that count calls (the relay) count this one too.
+__device__ __forceinline__ bool stopped_by_verdict(const int* status) {
+  return status && *(volatile const int*)(status + kCallStopped) == kStoppedByVerdict;
 }
 
 // error[0] = code, error[1] = peer rank (or -1), error[2] = detail (e.g. the bad value)

@@ -59,6 +59,7 @@ from epserve.comm import signals as sig
 from epserve.comm.carriers import Recv, Send
 from epserve.comm.off_node_relay import Relay, relay_sizes
 from epserve.comm.off_node_sizes import OffNodeSizes, sizes_from_count_rows
+from epserve.comm.off_node_stamps import COMBINE, ROWS, CallStamps
 from epserve.comm.settings import agree_across_nodes
 from epserve.comm.topology import NodeLayout
 from epserve.errors import PeerTimeoutError
@@ -253,6 +254,8 @@ class OffNode:
         self._combine_staging = carrier.staging(plan.combine_staging_bytes + (
             0 if overlap_free_sms is None else off_node_overlap.done_counters_bytes(plan)))
         self._landing = cupy.cuda.alloc(max(16, plan.combine_staging_bytes))
+        # every token-row and combine group ends with a stamp per peer (epserve/comm/off_node_stamps.py)
+        self.stamps = CallStamps(carrier, self.world, signals)
         self._groups = {}
         if sizes == "host":
             table_bytes = self.world * plan.count_row_ints * 4
@@ -294,6 +297,18 @@ class OffNode:
         if self.relay is not None:
             return self.relay.combine_group(int(self._landing.ptr), sizes)
         return self.plan.combine_group(self._combine_staging, int(self._landing.ptr), sizes)
+
+    def stamped_combine_group(self, sizes: OffNodeSizes | None = None):
+        """combine_group ending with the stamps to and from its carrier peers (what forward
+        sends; off_node_stamps.py)."""
+        if self.relay is not None:
+            return self.relay.stamped_combine_group(int(self._landing.ptr), sizes)
+        return self.stamps.with_stamps(COMBINE, *self.combine_group(sizes), self.plan.peers)
+
+    def combine_valid(self, status):
+        """What the combine stamps say: the call's status, or with the relay its verdict on the
+        rows it relays."""
+        return self.relay.relayed if self.relay is not None else status
 
     @property
     def last_sizes(self) -> OffNodeSizes | None:
@@ -366,13 +381,15 @@ class OffNode:
         if self.relay is not None:
             self.relay.exchange_rows(self._dispatch_staging, cfg, status, expert_offsets, experts_per_rank, sizes)
             return
-        if sizes is not None:
-            self.carrier.exchange(*self.plan.rows_group(self._dispatch_staging, tokens, meta, sizes), status=status)
-            return
+        def stamped(sizes=None):
+            return self.stamps.with_stamps(ROWS, *self.plan.rows_group(self._dispatch_staging, tokens, meta, sizes),
+                                           self.plan.peers)
+
         key = ("rows", tokens, meta)
-        if key not in self._groups:
-            self._groups[key] = self.plan.rows_group(self._dispatch_staging, tokens, meta)
-        self.carrier.exchange(*self._groups[key], status=status)
+        if sizes is None and key not in self._groups:
+            self._groups[key] = stamped()
+        group = stamped(sizes) if sizes is not None else self._groups[key]
+        self.stamps.exchange(self.carrier, ROWS, *group, status=status, valid=status)
 
     def return_slots_spec(self, src_info, expert_offsets, base, count_table: int, status) -> tuple:
         """Sizes "host", after the dispatch: the launch that writes sink_src_info, where each
@@ -414,18 +431,19 @@ class OffNode:
         if compact:
             if self._last is None:
                 raise RuntimeError("a compact combine before any direct dispatch with EPSERVE_OFFNODE_SIZES=host")
-            group = self.combine_group(self._last)
+            group = self.stamped_combine_group(self._last)
         else:
             key = ("combine", int(self._landing.ptr))
             if key not in self._groups:
-                self._groups[key] = self.plan.combine_group(self._combine_staging, int(self._landing.ptr))
+                self._groups[key] = self.stamped_combine_group()
             group = self._groups[key]
         if self.overlap is None:
-            self.carrier.exchange(*group, status=status)
+            self.stamps.exchange(self.carrier, COMBINE, *group, status=status, valid=status)
         else:  # the groups of the combine's send under GEMM 2, which the other ranks may be making
-            for g in off_node_overlap.groups_by_node(self.plan, *group):
-                if g.sends or g.recvs:
-                    self.carrier.exchange(g.sends, g.recvs, status=status)
+            groups = off_node_overlap.groups_by_node(self.plan, *group)
+            for i, g in enumerate(groups):
+                self.stamps.exchange(self.carrier, COMBINE, g.sends, g.recvs, status=status, valid=status,
+                                     advance=i == len(groups) - 1)
         self.land_combine(topk_idx, T, k, H, experts_per_rank, recv, status, compact)
 
     def send_combine_under_gemm(self, cfg, expert_offsets, experts_per_rank: int, status, compact: bool = False) -> None:

@@ -37,6 +37,7 @@ import cupy
 import numpy as np
 
 from epserve.comm import signals as sig
+from epserve.comm.off_node_stamps import COMBINE
 from epserve.errors import ConfigError
 from epserve.ffn.overlap_gemm import FREE_SMS_ENV, free_sms
 from epserve.runtime import kernels
@@ -141,19 +142,22 @@ class OverlappedSend:
             error = u64(off.signals.local(sig.ERROR))
             groups = self._node_groups(compact)
             for i, g in enumerate(groups):
+                first, last = i == 0, i == len(groups) - 1
                 wait((1,), (32,), (u64(self._done), self._expected, i32(g.first_block), i32(g.ranks),
                                    i32(g.first_rank), timeout_ns, error, status_arg))
                 if off.relay is not None:  # through the rail peers (off_node_relay.py): this node's homes' rows
-                    off.relay.relay_node(cfg, expert_offsets, experts_per_rank, g.node, i == len(groups) - 1, status)
-                if g.sends or g.recvs:  # a sized group may have nothing (both ends leave out the same)
-                    off.carrier.exchange(g.sends, g.recvs, status=status)
+                    off.relay.relay_node(cfg, expert_offsets, experts_per_rank, g.node, first, last, status)
+                # each group ends with its stamps (off_node_stamps.py): a wait above that ran out
+                # fails the homes' calls too, rather than hand them the rows staged so far
+                off.stamps.exchange(off.carrier, COMBINE, g.sends, g.recvs, status=status,
+                                    valid=off.combine_valid(status), advance=last)
             self._join.record(self._side)
         main.wait_event(self._join)
 
     def _node_groups(self, compact: bool) -> list[NodeGroup]:
         off = self.off_node
         if compact:  # the sizes of the latest direct dispatch: groups of this call
-            return groups_by_node(off.plan, *off.combine_group(off.last_sizes))
+            return groups_by_node(off.plan, *off.stamped_combine_group(off.last_sizes))
         if "capacity" not in self._groups:
-            self._groups["capacity"] = groups_by_node(off.plan, *off.combine_group())
+            self._groups["capacity"] = groups_by_node(off.plan, *off.stamped_combine_group())
         return self._groups["capacity"]

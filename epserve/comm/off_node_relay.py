@@ -52,6 +52,7 @@ from epserve.comm import signals as sig
 from epserve.comm.carriers import Recv, Send
 from epserve.comm.off_node_overlap import groups_by_node
 from epserve.comm.off_node_sizes import clamp, count_row
+from epserve.comm.off_node_stamps import COMBINE, ROWS
 from epserve.comm.settings import agree_across_nodes, env_choice
 from epserve.runtime import kernels
 from epserve.runtime.kernel_structs import i32, u64
@@ -231,6 +232,8 @@ class Relay:
         self._combine_areas = cupy.asarray(np.array([self._combine_area.peer_ptr(d) for d in node], np.uint64))
         self._epochs = cupy.zeros(2, np.uint64)  # local: relayed dispatches, relayed combines
         self._done = cupy.zeros(2, np.uint32)     # the two copy kernels' last-block counters
+        self._area_ok = cupy.zeros(off.plan.R, np.int32)  # the call's verdict on the node ranks' combine areas
+        self._relayed = cupy.zeros(2, np.int32)  # the call's verdict on what this rank relays (a call status)
         self._sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._groups = {}
         cupy.cuda.runtime.deviceSynchronize()
@@ -249,6 +252,24 @@ class Relay:
         """The combine's group (also for launch/jobs/time_off_node.py)."""
         return self.plan.combine_group(self._combine_area, landing, sizes)
 
+    @property
+    def rails(self) -> list[int]:
+        """This rank's carrier peers: its rail peer on each other node."""
+        return [self.plan.rail(c) for c in self.plan.other_nodes]
+
+    @property
+    def relayed(self):
+        """The call's verdict on the combine rows this rank relays (the combine stamps' valid)."""
+        return self._relayed
+
+    def stamped_rows_group(self, staging, sizes: RelaySizes | None = None):
+        """rows_group, ending with the stamps (epserve/comm/off_node_stamps.py)."""
+        return self.off.stamps.with_stamps(ROWS, *self.rows_group(staging, sizes), self.rails)
+
+    def stamped_combine_group(self, landing: int, sizes: RelaySizes | None = None):
+        """combine_group, ending with the stamps."""
+        return self.off.stamps.with_stamps(COMBINE, *self.combine_group(landing, sizes), self.rails)
+
     def exchange_counts(self, staging, count_table: int, cfg) -> None:
         """After count + publish: the count rows along the rails, then into the node's tables."""
         self.off.carrier.exchange(*self._group(("counts", count_table),
@@ -261,29 +282,37 @@ class Relay:
         rows), into the node's token regions, and this rank's wait for every other node's rows
         (before the off-node expand)."""
         area = int(self._dispatch_area.ptr)
-        group = self.rows_group(staging, sizes) if sizes is not None else \
-            self._group(("rows", area), lambda: self.rows_group(staging))
-        self.off.carrier.exchange(*group, status=status)
+        group = self.stamped_rows_group(staging, sizes) if sizes is not None else \
+            self._group(("rows", area), lambda: self.stamped_rows_group(staging))
+        # a rail source whose rows are not this call's fails the call here: nothing is relayed,
+        # and the node ranks waiting for them fail in turn (code 13)
+        self.off.stamps.exchange(self.off.carrier, ROWS, *group, status=status, valid=status)
         fn = kernels.function("off_node_relay", "epserve_relay_token_blocks")
         fn((self._sms,), (RELAY_THREADS,), (cfg, u64(area), np.int64(self.plan.block_bytes), self._dispatch_arrive,
                                             self._done[0:1]))
         fn = kernels.function("off_node_relay", "epserve_relay_rows_wait")
         fn((1,), (32,), (cfg, u64(self._counters.ptr), self._epochs, expert_offsets, i32(experts_per_rank)))
 
-    def relay_node(self, send_cfg, expert_offsets, experts_per_rank: int, node: int, last: bool, status) -> None:
+    def relay_node(self, send_cfg, expert_offsets, experts_per_rank: int, node: int, first: bool, last: bool,
+                   status) -> None:
         """The staged rows of node `node`'s homes (-1: every other node's) into their rail peers'
-        relay areas, then the wait for this node's owners to have relayed theirs; `last`: the
-        call's last such wait (it moves the relayed combines' count on). expert_offsets None: a
-        rank standing in, with no rows."""
+        relay areas, then the wait for this node's owners to have relayed theirs. `first`: the
+        call's first such step (it decides, once for the call, which node ranks' areas are free);
+        `last`: its last (it moves the relayed combines' count on). expert_offsets None: a rank
+        standing in, with no rows."""
         off = self.off
+        if first:
+            fn = kernels.function("off_node_relay", "epserve_relay_combine_ready")
+            fn((1,), (32,), (send_cfg, self._area_ok, self._relayed))
         fn = kernels.function("off_node_relay", "epserve_relay_combine_rows")
         fn((2 * self._sms,), (RELAY_THREADS,), (send_cfg, expert_offsets if expert_offsets is not None else u64(0),
                                                  i32(experts_per_rank), self._combine_areas, self._combine_arrive,
-                                                 self._done[1:2], i32(node)))
+                                                 self._area_ok, self._done[1:2], i32(node)))
         fn = kernels.function("off_node_relay", "epserve_relay_combine_wait")
         fn((1,), (32,), (u64(self._counters.ptr + off.world * 8), self._epochs, i32(off.rank), i32(off.world),
                          i32(off.plan.R), i32(node), i32(1 if last else 0), u64(off.timeout_ns),
-                         u64(off.signals.local(sig.ERROR)), status if status is not None else u64(0)))
+                         u64(off.signals.local(sig.ERROR)), status if status is not None else u64(0),
+                         self._relayed))
 
     def exchange_combine(self, send_cfg, expert_offsets, experts_per_rank: int, landing: int, status,
                          sizes: RelaySizes | None = None, by_node: bool = False) -> None:
@@ -293,15 +322,16 @@ class Relay:
         destination node after the other, as the send under GEMM 2 makes its groups (a rank
         whose combine is not under GEMM 2 then matches them). expert_offsets None: a rank
         standing in, with no rows."""
-        group = self.combine_group(landing, sizes) if sizes is not None else \
-            self._group(("combine", landing), lambda: self.combine_group(landing))
+        group = self.stamped_combine_group(landing, sizes) if sizes is not None else \
+            self._group(("combine", landing), lambda: self.stamped_combine_group(landing))
+        stamps, carrier = self.off.stamps, self.off.carrier
         if not by_node:
-            self.relay_node(send_cfg, expert_offsets, experts_per_rank, -1, True, status)
-            self.off.carrier.exchange(*group, status=status)
+            self.relay_node(send_cfg, expert_offsets, experts_per_rank, -1, True, True, status)
+            stamps.exchange(carrier, COMBINE, *group, status=status, valid=self._relayed)
             return
         groups = groups_by_node(self.off.plan, *group)
         for i, g in enumerate(groups):
-            self.relay_node(send_cfg, expert_offsets, experts_per_rank, g.node, i == len(groups) - 1, status)
-            if g.sends or g.recvs:
-                self.off.carrier.exchange(g.sends, g.recvs, status=status)
+            first, last = i == 0, i == len(groups) - 1
+            self.relay_node(send_cfg, expert_offsets, experts_per_rank, g.node, first, last, status)
+            stamps.exchange(carrier, COMBINE, g.sends, g.recvs, status=status, valid=self._relayed, advance=last)
 

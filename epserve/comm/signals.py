@@ -85,10 +85,18 @@ _CODES = {
     13: ("off-node-relay", PeerTimeoutError,
          "waited for {detail_text} of rank {peer}, in vain: rank {peer}, or the rank of this node that relays "
          "for it, is dead, stuck or slower than wait_timeout_s"),
+    # Across nodes, the stamp that ends each carrier transfer (cuda/comm/staging.cu, epserve/comm/off_node_stamps.py)
+    # A sender fails before it sends only when one of its waits ran out, after which no service
+    # can go on (PeerTimeoutError: the service is lost, as the sender's is).
+    14: ("off-node-stale", PeerTimeoutError,
+         "the {detail_text} rank {peer} sent across nodes in this call are not valid: one of rank {peer}'s waits "
+         "ran out in this call before it sent them (its own error names the rank it waited for), or it is a "
+         "call behind"),
 }
 _DETAIL_TEXT = {11: ("post its rows", "take the rows posted to it"),
                 13: ("the dispatch rows (relayed by this node's rank of its local index)",
-                     "the combine rows to relay")}
+                     "the combine rows to relay"),
+                14: ("token rows", "combine rows")}
 
 
 class SignalBlock:

@@ -287,6 +287,21 @@ class Called:
         Called.calls.append((self, grid, block, args, shared_mem))
 
 
+def fake_stamps(monkeypatch, world):
+    """CallStamps made without a GPU (epserve/comm/off_node_stamps.py): its device arrays are
+    Device, its by-value arguments measurable."""
+    from epserve.comm import off_node_stamps as st
+
+    monkeypatch.setattr(st, "i32", by_value)
+    monkeypatch.setattr(st, "u64", lambda v: by_value(v, np.uint64))
+    s = st.CallStamps.__new__(st.CallStamps)
+    s.world, s.signals, s._peer_lists = world, types.SimpleNamespace(local=lambda a: 0x3000 + a), {}
+    s.out = types.SimpleNamespace(ptr=0x8000)
+    s._landed, s._calls = Device((st.KINDS, world, 2)), Device((st.KINDS,))
+    s._peer_array = lambda peers: Device((max(1, len(peers)),))
+    return s
+
+
 def bare_off_node(monkeypatch, tmp_path):
     """An OffNode of rank 1 of two nodes of 2, made without a GPU, whose kernel calls are kept
     (Called), and the staging module's PTX."""
@@ -304,6 +319,7 @@ def bare_off_node(monkeypatch, tmp_path):
     o.plan = off_mod.OffNodePlan(NodeLayout(4, 2), 1, E, K, H, H, T)
     o.rank, o.world = 1, 4
     o.signals = types.SimpleNamespace(local=lambda offset: 0x3000 + offset)
+    o.stamps = fake_stamps(monkeypatch, o.world)
     return o, staging_ptx
 
 
@@ -322,9 +338,12 @@ def test_off_node_launches_match_their_kernels(monkeypatch, tmp_path):
     c.rank, c.error_ptr, c.timeout_ns, c._groups = 1, 0x7000, 10**9, {}
     c._flag_blocks, c._local, c._done = Device(), Device(), Device()
     c._tables = lambda sends, recvs: (Device(), 1, Device(), 1, Device(), 2)
+    o.exchange_rows(0x6100, 0x6200, Device())
     c.exchange([], [], Device())
     names = [call[0].name for call in Called.calls]
-    assert names == ["epserve_off_node_counts_landed", "epserve_off_node_combine_land", "epserve_ipc_carrier_exchange"]
+    assert names == ["epserve_off_node_counts_landed", "epserve_off_node_stamp", "epserve_off_node_stamps_check",
+                     "epserve_off_node_combine_land", "epserve_off_node_stamp", "epserve_off_node_stamps_check",
+                     "epserve_ipc_carrier_exchange"]
     for fn, _, _, args, _ in Called.calls:
         sizes = [8 if isinstance(a, Device) else np.asarray(a).nbytes for a in args]
         assert sizes == param_sizes(staging_ptx, fn.name), fn.name
@@ -361,9 +380,14 @@ def test_compact_land_launch_matches_its_kernel(monkeypatch, tmp_path):
                            returns_from={2: 0, 3: 9})
     o.exchange_combine(Device((T, K)), T, K, H, E // 4, Device(), Device(), compact=True)
     (sends, recvs), = groups
-    assert [(x.peer, x.nbytes) for x in sends] == [(2, 7 * H * 2)]  # no transfer of zero bytes
-    assert [(x.peer, x.nbytes) for x in recvs] == [(3, 9 * H * 2)]
-    (fn, _, _, args, _), = Called.calls
-    assert fn.name == "epserve_off_node_combine_land_compact"
+    stamp = o.stamps.out  # every off-node peer's stamp ends the group, whatever its rows
+    assert [(x.peer, x.nbytes) for x in sends if x.staging is not stamp] == [(2, 7 * H * 2)]  # none of zero bytes
+    assert [(x.peer, x.nbytes) for x in recvs if x.staging is not stamp] == [(3, 9 * H * 2)]
+    assert [(x.peer, x.nbytes) for x in sends if x.staging is stamp] == [(2, 16), (3, 16)]
+    assert [(x.peer, x.nbytes) for x in recvs if x.staging is stamp] == [(2, 16), (3, 16)]
+    fn = Called.calls[-1][0]
+    args = Called.calls[-1][3]
+    assert [c[0].name for c in Called.calls] == ["epserve_off_node_stamp", "epserve_off_node_stamps_check",
+                                                 "epserve_off_node_combine_land_compact"]
     sizes = [8 if isinstance(a, Device) else np.asarray(a).nbytes for a in args]
     assert sizes == param_sizes(staging_ptx, fn.name)

@@ -219,8 +219,11 @@ def test_free_sms_and_grid():
 
 # ---- the launches against the kernels ---------------------------------------------------------
 def arg_size(a) -> int:
-    """A one-element array passes by value; a longer one stands for a device array (a pointer)."""
-    assert isinstance(a, np.ndarray), type(a)
+    """A one-element array passes by value; a longer one, or a fake Device, stands for a device
+    array (a pointer)."""
+    if not isinstance(a, np.ndarray):
+        assert type(a).__name__ == "Device", type(a)
+        return 8
     return a.nbytes if a.size == 1 else 8
 
 
@@ -232,7 +235,7 @@ def ptx(tmp_path_factory):
     os.environ["EPSERVE_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
     try:
         out = {}
-        for name in ("off_node_overlap", "gemm_wgmma_peer_overlap"):
+        for name in ("off_node_overlap", "gemm_wgmma_peer_overlap", "staging"):
             source, defines = kernels.VARIANTS[name]
             out[name] = build.compile_source(source, defines).ptx.read_text()
         return out
@@ -271,21 +274,32 @@ def test_side_stream_launches_match_their_kernels(ptx, monkeypatch):
 
     fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: Stream()))
     monkeypatch.setattr(ovl, "cupy", fake_cupy)
+    from test_dispatch_launch_args import fake_stamps
+
     plan = OffNodePlan(NodeLayout(8, 2), 3, 64, 4, 256, 256, 40)
+    stamps = fake_stamps(monkeypatch, 8)
     off = types.SimpleNamespace(
         plan=plan, timeout_ns=10**9, signals=types.SimpleNamespace(local=lambda a: 0x2000), relay=None,
-        carrier=types.SimpleNamespace(exchange=lambda s, r, status=None: exchanges.append((s, r))),
-        combine_group=lambda sizes=None: plan.combine_group(types.SimpleNamespace(), 1 << 40, sizes))
+        carrier=types.SimpleNamespace(exchange=lambda s, r, status=None: exchanges.append((s, r))), stamps=stamps,
+        stamped_combine_group=lambda sizes=None: stamps.with_stamps(
+            1, *plan.combine_group(types.SimpleNamespace(), 1 << 40, sizes), plan.peers),
+        combine_valid=lambda status: status)
     send = ovl.OverlappedSend.__new__(ovl.OverlappedSend)
     send.off_node, send.free_sms, send._done, send.sends, send._groups = off, 8, 0x3000, 0, {}
     send._expected = np.zeros(len(plan.peers), np.uint64)
     send._side, send._join = Stream(), types.SimpleNamespace(record=lambda s: None)
     cfg = np.zeros(1, PEER_SEND_CONFIG)
     send.send(cfg, np.zeros(5, np.int32), 8, np.zeros(2, np.int32), compact=False)
-    assert [c[0] for c in calls] == ["epserve_off_node_rows_expect"] + ["epserve_off_node_rows_wait"] * 3
+    per_node = ["epserve_off_node_rows_wait", "epserve_off_node_stamp", "epserve_off_node_stamps_check"]
+    assert [c[0] for c in calls] == ["epserve_off_node_rows_expect"] + per_node * 3
     for name, args in calls:
-        assert [arg_size(a) for a in args] == param_sizes(ptx["off_node_overlap"], name), name
+        module = "staging" if "stamp" in name else "off_node_overlap"
+        assert [arg_size(a) for a in args] == param_sizes(ptx[module], name), name
+    # the count of combines moves on at the call's last group only
+    assert [int(args[4][0]) for name, args in calls if name.endswith("check")] == [0, 0, 1]
     assert len(exchanges) == 3 and send.sends == 1
+    # each node's group ends with the stamps of its two ranks
+    assert [[x.peer for x in s if x.staging is stamps.out] for s, _ in exchanges] == [[0, 1], [4, 5], [6, 7]]
 
 
 def test_gemm_overlap_build_takes_the_order_after_the_default_parameters(ptx):
@@ -314,5 +328,5 @@ def test_with_the_overlap_every_combine_send_is_split_by_node(monkeypatch, tmp_p
     o.overlap = object()
     o.exchange_combine(Device((40, 4)), 40, 4, 256, 8, Device(), Device())
     assert [sorted({x.peer for x in s} | {x.peer for x in r}) for s, r in groups] == [[0, 1], [4, 5], [6, 7]]
-    whole = o.plan.combine_group(o._combine_staging, 0x5000)
+    whole = o.stamped_combine_group()
     assert sum(len(s) for s, _ in groups) == len(whole[0]) and sum(len(r) for _, r in groups) == len(whole[1])

@@ -210,9 +210,10 @@ def param_sizes(ptx: str, kernel: str) -> list[int]:
 def test_launches_match_their_kernels(monkeypatch, tmp_path):
     from epserve.runtime.kernel_structs import DISPATCH_CONFIG, PEER_SEND_CONFIG
 
+    from test_dispatch_launch_args import fake_stamps
+
     monkeypatch.setenv("EPSERVE_CACHE_DIR", str(tmp_path))
-    source, defines = kernels.VARIANTS["off_node_relay"]
-    ptx = build.compile_source(source, defines).ptx.read_text()
+    ptx = {m: build.compile_source(*kernels.VARIANTS[m]).ptx.read_text() for m in ("off_node_relay", "staging")}
     monkeypatch.setattr(relay_mod.kernels, "function", lambda module, name: Called(name))
     monkeypatch.setattr(relay_mod, "i32", lambda v: np.full(1, v, np.int32))
     monkeypatch.setattr(relay_mod, "u64", lambda v: np.full(1, v, np.uint64))
@@ -221,27 +222,41 @@ def test_launches_match_their_kernels(monkeypatch, tmp_path):
     plan = OffNodePlan(NodeLayout(8, 2), 3, E, K, H, H, T)
     off = types.SimpleNamespace(
         plan=plan, rank=3, world=8, timeout_ns=10**9, signals=types.SimpleNamespace(local=lambda a: 0x2000),
-        carrier=types.SimpleNamespace(exchange=lambda s, r, status=None: exchanges.append((s, r))))
+        carrier=types.SimpleNamespace(exchange=lambda s, r, status=None: exchanges.append((s, r))),
+        stamps=fake_stamps(monkeypatch, 8))
     r = relay_mod.Relay.__new__(relay_mod.Relay)
     r.off, r.plan, r._groups, r._sms = off, RelayPlan(plan), {}, 132
     r._dispatch_area = types.SimpleNamespace(ptr=0x3000)
     r._combine_area, r._counters = Staging(), types.SimpleNamespace(ptr=0x4000)
     r._dispatch_arrive = r._combine_arrive = r._combine_areas = r._epochs = r._done = Ptr()
+    r._area_ok = r._relayed = Ptr()
     dcfg, scfg = np.zeros(1, DISPATCH_CONFIG), np.zeros(1, PEER_SEND_CONFIG)
     r.exchange_counts(Staging(), 0x5000, dcfg)
     r.exchange_rows(Staging(), dcfg, Ptr(), Ptr(), E // 8)
     r.exchange_combine(scfg, Ptr(), E // 8, 0x6000, Ptr())
     r.exchange_combine(scfg, None, E // 8, 0x6000, None)  # a rank standing in
+    stamped = ["epserve_off_node_stamp", "epserve_off_node_stamps_check"]
+    combine = ["epserve_relay_combine_ready", "epserve_relay_combine_rows", "epserve_relay_combine_wait"] + stamped
     assert [name for name, _ in Called.calls] == [
-        "epserve_relay_count_rows", "epserve_relay_token_blocks", "epserve_relay_rows_wait",
-        "epserve_relay_combine_rows", "epserve_relay_combine_wait",
-        "epserve_relay_combine_rows", "epserve_relay_combine_wait"]
+        "epserve_relay_count_rows", *stamped, "epserve_relay_token_blocks", "epserve_relay_rows_wait",
+        *combine, *combine]
     assert len(exchanges) == 4  # counts, rows, and a combine group per combine
+    # the token-row and combine groups end with a stamp to and from each rail peer (ranks 1, 5, 7)
+    for sends, recvs in exchanges[1:]:
+        assert [x.peer for x in sends if x.staging is off.stamps.out] == [1, 5, 7]
+        assert [x.peer for x in recvs if x.staging is off.stamps.out] == [1, 5, 7]
     # the node after node order of the send under GEMM 2 (EPSERVE_OFFNODE_OVERLAP=1): a relay,
-    # a wait and a group per other node, the last wait alone moving the count of combines on
+    # a wait and a group per other node, the first step alone deciding which areas are free,
+    # the last wait alone moving the count of combines on
+    n = len(Called.calls)
     r.exchange_combine(scfg, Ptr(), E // 8, 0x6000, Ptr(), by_node=True)
-    waits = [args for name, args in Called.calls[7:] if name == "epserve_relay_combine_wait"]
+    names = [name for name, _ in Called.calls[n:]]
+    assert names.count("epserve_relay_combine_ready") == 1 and names[0] == "epserve_relay_combine_ready"
+    waits = [args for name, args in Called.calls[n:] if name == "epserve_relay_combine_wait"]
     assert [int(a[5][0]) for a in waits] == [0, 2, 3] and [int(a[6][0]) for a in waits] == [0, 0, 1]
+    checks = [args for name, args in Called.calls[n:] if name == "epserve_off_node_stamps_check"]
+    assert [int(a[4][0]) for a in checks] == [0, 0, 1]
     assert len(exchanges) == 4 + 3
     for name, args in Called.calls:
-        assert [8 if isinstance(a, Ptr) else np.asarray(a).nbytes for a in args] == param_sizes(ptx, name), name
+        module = "staging" if "stamp" in name else "off_node_relay"
+        assert [8 if isinstance(a, Ptr) else np.asarray(a).nbytes for a in args] == param_sizes(ptx[module], name), name

@@ -186,6 +186,25 @@ def test_forward_captured_across_nodes_replays_bitwise(route):
     assert {(r["nodes"], r["route"], r["replays"]) for r in results} == {(2, route, 12)}, results
 
 
+@pytest.mark.parametrize("route", ["direct", "relay"])
+@pytest.mark.parametrize("stage", ["dispatch", "combine"])
+def test_a_rank_failing_mid_call_fails_the_ranks_that_read_its_rows(route, stage):
+    """launch/jobs/off_node_failure.py at 4 ranks as 2 nodes of 2 (ipc carrier, one shared GPU):
+    rank 1 fails as a timed-out wait leaves it, after its move (dispatch) or after GEMM 2
+    (combine), before its rows cross. Without the stamps on the carrier's groups the other
+    node's ranks would take rank 1's (or its relay's) rows and return; they must raise
+    PeerTimeoutError instead, rank 1 its own error, and nobody may hang."""
+    cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "-n", "4", "--timeout", "240", "--share-gpu", "--",
+           sys.executable, "-m", "mpi4py", str(ROOT / "launch" / "jobs" / "off_node_failure.py"), stage]
+    env = dict(os.environ, EPSERVE_OFFNODE_CARRIER="ipc", EPSERVE_RANKS_PER_NODE="2", EPSERVE_OFFNODE_ROUTE=route)
+    for name in ("EPSERVE_OFFNODE_SIZES", "EPSERVE_OFFNODE_OVERLAP"):
+        env.pop(name, None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and len(results) == 4 and all(r["ok"] for r in results), explain(proc)
+    assert {(r["nodes"], r["route"], r["stage"]) for r in results} == {(2, route, stage)}, results
+
+
 @pytest.mark.parametrize("route,ranks,ranks_per_node", [("direct", 2, 1), ("relay", 4, 2)])
 def test_timing_job_runs_on_one_gpu(route, ranks, ranks_per_node):
     """launch/jobs/time_off_node.py with the ipc carrier on one shared GPU: the table, every
