@@ -99,7 +99,8 @@ def machine_info(comm, svc, rates):
     props = cupy.cuda.runtime.getDeviceProperties(svc.device)
     names = comm.allgather(props["name"].decode())
     info.update(
-        world_size=comm.Get_size(), gpus=names, link=comm.Get_size() > 1 and not svc.shared_gpu,
+        world_size=comm.Get_size(), gpus=names,
+        link=comm.Get_size() > 1 and not svc.shared_gpu and svc.nodes.ranks_per_node > 1,
         driver=cupy.cuda.runtime.driverGetVersion(), cuda=cupy.cuda.runtime.runtimeGetVersion(),
         cupy=cupy.__version__, nccl=_nccl_version(),
         transport=f"{svc.transport} ({'ranks share one GPU: no NVLink, times are not performance' if svc.shared_gpu else 'one GPU per rank'})",
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
                         world_size=world, wait_timeout_s=60.0, expert_dtype=preset.expert_dtype)
         svc = EPService(cfg, comm)
         if info is None:  # the limits, once, on the first service's buffers
-            rates = limits.measure(comm, svc.combiner._recv, svc.shared_gpu)
+            rates = limits.measure(comm, svc.combiner._recv, svc.shared_gpu, svc.nodes.ranks_per_node)
             info = machine_info(comm, svc, rates)
             if rank == 0:
                 print("\n".join(report.preamble(info)), flush=True)

@@ -46,16 +46,20 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2.0 * nbytes / (ms / 1e3)
 
 
-def peer_store_bandwidth(comm, peer_buffer, nbytes: int) -> float | None:
-    """Every rank stores `nbytes` into rank (r + 1)'s `peer_buffer` (a SymmetricBuffer) at
-    once; bytes per second in one direction. None with one rank or ranks sharing a GPU."""
+def peer_store_bandwidth(comm, peer_buffer, nbytes: int, ranks_per_node: int | None = None) -> float | None:
+    """Every rank stores `nbytes` into the `peer_buffer` (a SymmetricBuffer) of the next rank of
+    its node, all at once; bytes per second in one direction. None with one rank in a node
+    (the buffer is mapped inside a node only: across forced nodes of one rank there is no
+    peer to store into)."""
     world, rank = comm.Get_size(), comm.Get_rank()
-    if world == 1:
+    R = ranks_per_node or world
+    if R == 1:
         return None
     nbytes = min(nbytes, peer_buffer.nbytes) // 4096 * 4096
     src = cupy.empty(nbytes, np.uint8)
     src.fill(3)
-    dst = peer_buffer.peer_ptr((rank + 1) % world)
+    first = rank // R * R
+    dst = peer_buffer.peer_ptr(first + (rank - first + 1) % R)
     rows = nbytes // 4096
     comm.Barrier()
     ms = median_ms(lambda: row_moves.copy_rows(dst, src, None, None, rows, 4096))
@@ -64,13 +68,13 @@ def peer_store_bandwidth(comm, peer_buffer, nbytes: int) -> float | None:
     return nbytes / (ms / 1e3)
 
 
-def measure(comm, peer_buffer, shared_gpu: bool) -> Rates:
-    """All three limits, the slowest rank's. Where ranks share a GPU (or there is one rank)
+def measure(comm, peer_buffer, shared_gpu: bool, ranks_per_node: int | None = None) -> Rates:
+    """All three limits, the slowest rank's. Where ranks share a GPU (or a node holds one rank)
     there is no link: the peer rate is then the device copy rate, and the preamble says so."""
     from mpi4py import MPI
 
     copy = copy_bandwidth()
     gemm = gemm_rate()
-    peer = None if shared_gpu else peer_store_bandwidth(comm, peer_buffer, 512 << 20)
+    peer = None if shared_gpu else peer_store_bandwidth(comm, peer_buffer, 512 << 20, ranks_per_node)
     gemm, copy, peer = (comm.allreduce(v, op=MPI.MIN) for v in (gemm, copy, peer or copy))
     return Rates(gemm_flop_s=gemm, copy_bytes_s=copy, peer_bytes_s=peer)

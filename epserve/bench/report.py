@@ -65,7 +65,8 @@ def preamble(info: dict) -> list[str]:
                      f"HBM copy {rates.copy_bytes_s / 1e9:.0f} GB/s, "
                      + (f"NVLink peer store {rates.peer_bytes_s / 1e9:.1f} GB/s per direction"
                         if info.get("link", True) else
-                        "no link (one rank, or ranks sharing a GPU): the peer rate is taken to be the copy rate"))
+                        "no link (one rank, ranks sharing a GPU, or nodes of one rank): the peer rate is taken to be the copy "
+                        "rate"))
     else:
         lines.append(f"# measured limits: {NOT_RECORDED} (floor and x floor cannot be computed)")
     lines += [f"# {key}: {value}" for key, value in info.items() if key not in _KNOWN_KEYS]
