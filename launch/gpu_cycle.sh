@@ -11,7 +11,9 @@
 #   bash launch/gpu_cycle.sh layer             # issue 13's two-GPU timings: dispatch kernels, the
 #                                              # decode layer eager and from a graph, host time, ~2 min
 #   bash launch/gpu_cycle.sh review-x2         # two GPUs, what three issues wait for: the FP8 bench, the
-#                                              # 2-gpus tests, the off-node transfer, the send under GEMM 2, <= 9 min
+#                                              # across-nodes 2-gpus tests, the off-node transfer, the send
+#                                              # under GEMM 2, <= 9 min
+#   bash launch/gpu_cycle.sh tests-x2          # two GPUs, the other 2-gpus tests, <= 9 min
 # bench runs one rank per GPU (on one GPU: one rank, no link); run, fuzz and soak take two
 # ranks, sharing the GPU where there is one.
 set -uo pipefail
@@ -101,9 +103,12 @@ sm__cycles_elapsed.avg.per_second,lts__t_sectors_op_read.sum,dram__bytes_read.su
                 python3 launch/run.py -n 2 --timeout $((t - 15)) -- python3 -m mpi4py -m epserve.bench \
                 --presets dsv3-prefill-fp8,dsv3-decode-fp8,dsv3-prefill,dsv3-decode --routing balanced \
                 --tokens 4096,128 --out "$out/bench-fp8"
-            t=$(within 240)
+            # the across-nodes two-GPU cases only (about 40 s each): all 28 two-GPU tests take
+            # about 20 minutes, more than one device call (stage tests-x2 below)
+            t=$(within 330)
             stage review-tests-2gpus "passed|failed|FAILED|SKIPPED|ERROR|#wrong|ratio|timed out" \
-                timeout -k 10 "$t" env PYTHONPATH=. python3 -m pytest -m gpu tests -q -rs -k 2-gpus -p no:cacheprovider
+                timeout -k 10 "$t" env PYTHONPATH=. python3 -m pytest -m gpu tests/gpu/test_across_nodes.py -q -rs \
+                -k 2-gpus -p no:cacheprovider
             t=$(within 215)
             stage review-offnode-transfer "^# (time_off_node|transfer)|^(counts|dispatch|combine) |#wrong|ratio|passed|failed|Error|timed out" \
                 timeout -k 10 "$t" env PYTHONPATH=. EPSERVE_RANKS_PER_NODE=1 python3 launch/run.py -n 2 \
@@ -120,7 +125,11 @@ sm__cycles_elapsed.avg.per_second,lts__t_sectors_op_read.sum,dram__bytes_read.su
                     --iters 30 --warmup 5
             done
             summary_lines=40 ;;
-        *) echo "unknown stage $s (test run timing bench fuzz soak sanitize profile profile-fp8 layer review-x2)"; status=1 ;;
+        # The two-GPU tests other than the across-nodes ones (review-x2 runs those), <= 9 min.
+        tests-x2) export NCCL_NVLS_ENABLE=0
+            stage tests-x2 "passed|failed|FAILED|SKIPPED|ERROR|timed out" timeout -k 10 540 env PYTHONPATH=. \
+                python3 -m pytest -m gpu tests -q -rs -k "2-gpus and not test_across_nodes" -p no:cacheprovider ;;
+        *) echo "unknown stage $s (test run timing bench fuzz soak sanitize profile profile-fp8 layer review-x2 tests-x2)"; status=1 ;;
     esac
 done
 exit $status
