@@ -65,6 +65,10 @@
 // - EPSERVE_GEMM_FP8_UNALIGNED_SCALES=1: the A-scale box starts at the tile's first row
 //   itself, as the first version did (the same values land in the same places): the build
 //   that reproduces the first GPU run's fault if an unaligned start was its cause.
+// - EPSERVE_GEMM_FP8_RELEASE_BY_WARPGROUP=1: a stage is freed by one arrival per consumer
+//   warpgroup (its thread 0), as before the split tails' scale race was fixed (see `release`
+//   in the consumers): the build that reproduces that race (launch/jobs/check_fp8_race.py
+//   --release-by-warpgroup), never a shipped one.
 // Experimental builds (launch/jobs/time_gemm_fp8.py --variants times them against the
 // default; tests/gpu/test_gemm_fp8.py holds each to the default's bits):
 // - EPSERVE_GEMM_FP8_SPLIT_TAILS=1: a tile whose real rows all lie in its first 64 (an
@@ -113,6 +117,9 @@
 #ifndef EPSERVE_GEMM_FP8_UNALIGNED_SCALES
 #define EPSERVE_GEMM_FP8_UNALIGNED_SCALES 0
 #endif
+#ifndef EPSERVE_GEMM_FP8_RELEASE_BY_WARPGROUP
+#define EPSERVE_GEMM_FP8_RELEASE_BY_WARPGROUP 0
+#endif
 
 namespace {
 
@@ -126,6 +133,9 @@ static_assert(kBN == 256 || (kBN == 128 && !kSwiGLU), "EPSERVE_GEMM_FP8_BN: 256,
 constexpr int kHalfN = 128;  // columns of one part, and of one weight scale block
 constexpr int kOutCols = kSwiGLU ? kBN / 2 : kBN;
 constexpr int kConsumers = 2, kConsumerThreads = 128 * kConsumers;
+constexpr bool kReleaseByWarpgroup = EPSERVE_GEMM_FP8_RELEASE_BY_WARPGROUP != 0;
+// The arrivals that free a stage: one per consumer warp (the consumers' `release` says why).
+constexpr int kStageReleases = kReleaseByWarpgroup ? kConsumers : kConsumerThreads / 32;
 constexpr int kThreads = 128 * (kConsumers + 1);
 constexpr int kProducerWarpgroup = kConsumers;
 constexpr bool kSendWarps = Sink::kSendWarps > 0;
@@ -281,7 +291,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     if (smem_u32(smem) & 1023u) __trap();  // the 128-byte swizzle's pattern is tied to 1024-byte alignment
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&full[s], 1);
-      mbarrier_init(&empty[s], kConsumers);
+      mbarrier_init(&empty[s], kStageReleases);  // one arrival per consumer warp: see `release`
     }
     fence_mbarrier_init();
   }
@@ -344,7 +354,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         const int a_boxes = t.rows > 64 ? 2 : 1;  // a tail of at most 64 rows loads (and computes) one half
         const int b_row = t.expert * b_rows + t.n_abs;
         for (int kt = 0; kt < k_blocks; ++kt) {
-          mbarrier_wait(&empty[stage], phase ^ 1);  // both consumer warpgroups are done with the stage
+          mbarrier_wait(&empty[stage], phase ^ 1);  // every consumer warp is done with the stage
           if (kt == 0) stage_tile[stage] = index;
           mbarrier_expect_tx(&full[stage], a_boxes * kHalfA + kStageB + kScaleBoxBytes);
           for (int h = 0; h < a_boxes; ++h)
@@ -374,8 +384,22 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     const int tid = threadIdx.x;  // 0 .. kConsumerThreads - 1
     const int lane = tid % 32, warp = (tid % 128) / 32;
     const int row = warpgroup * 64 + warp * 16 + lane / 4;  // this thread's first row in the tile
+    // Frees stage s for the producer's next TMA loads into it. Every warp arrives for itself,
+    // after its own reads of the stage: besides the wgmmas (whose wait precedes every release),
+    // the consumers read the stage's A scales (ring_sa) with ordinary loads, and the split
+    // tails' promote_stage reads them after the MMA, just before it frees the stage. With one
+    // arrival per warpgroup (its thread 0, as this kernel had), the warpgroup's other three
+    // warps could still be about to read their rows' scales when the producer, seeing the
+    // stage free, had TMA overwrite them with the next k-block's (or the next tile's): those
+    // rows' sums then took one k-block at a wrong scale. The __syncwarp orders the warp's
+    // loads before its lane 0's arrive (release), which the producer's wait acquires.
     auto release = [&](int s) {
-      if (tid % 128 == 0) mbarrier_arrive(&empty[s]);
+      if constexpr (kReleaseByWarpgroup) {  // the diagnostic build of the race (top of the file)
+        if (tid % 128 == 0) mbarrier_arrive(&empty[s]);
+      } else {
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(&empty[s]);
+      }
     };
     int stage = 0;
     uint32_t phase = 0;

@@ -268,6 +268,7 @@ FP8_PROBE_KNOBS = [
     {"EPSERVE_GEMM_FP8_TMA_LOADS": 0},
     {"EPSERVE_GEMM_FP8_CHECK_TMA": 1},
     {"EPSERVE_GEMM_FP8_UNALIGNED_SCALES": 1},
+    {"EPSERVE_GEMM_FP8_RELEASE_BY_WARPGROUP": 1},  # the pre-fix stage release (launch/jobs/check_fp8_race.py)
 ]
 
 

@@ -8,6 +8,8 @@ two, with one GPU each:
   check_graph.py --fp8  the graph with FP8 experts
   check_replay.py   forward's replayed launches == launches built anew, bitwise, across token counts and weights (issue 13)
   check_replay.py --fp8  the same with FP8 experts
+  check_fp8_race.py FP8 at DeepSeek-V3's sizes: many fused calls back to back, each == unfused bitwise
+                    (two GPUs only: the race it guards against showed over NVLink only)
 and check_service, check_graph and check_replay once more with GEMM 2's split build forced
 (EPSERVE_GEMM2_SPLIT_K=always): its workspace and flags under forward, graphs and replays.
 """
@@ -61,6 +63,19 @@ def test_job_passes_with_gemm2_split_in_k_halves(job, monkeypatch):
     build's (tests/gpu/test_gemm_swiglu.py), so every bitwise oracle of the jobs holds as is."""
     monkeypatch.setenv("EPSERVE_GEMM2_SPLIT_K", "always")
     proc, results, planned = run_job(job, share_gpu=True)
+    failures = [r for r in results if not r["ok"]]
+    assert proc.returncode == 0 and not failures, proc.stdout[-6000:] + proc.stderr[-6000:]
+    assert planned and len(results) == 2 * planned[0], proc.stdout[-3000:]
+
+
+def test_fp8_back_to_back_fused_calls_equal_unfused():
+    """The bench found FP8 fused != unfused now and then on two H200s (the split tails' A
+    scales read after their ring stage was freed: cuda/gemm/grouped_gemm_fp8.cu, `release`);
+    check_fp8.py, one synchronized forward at a time on small shapes, never did. Every one
+    of many back-to-back fused calls at dsv3-prefill-fp8's sizes must equal unfused."""
+    if gpu_count() < 2:
+        pytest.skip("needs two GPUs")
+    proc, results, planned = run_job("check_fp8_race.py --calls 32", share_gpu=False)
     failures = [r for r in results if not r["ok"]]
     assert proc.returncode == 0 and not failures, proc.stdout[-6000:] + proc.stderr[-6000:]
     assert planned and len(results) == 2 * planned[0], proc.stdout[-3000:]
