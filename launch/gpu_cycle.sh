@@ -14,6 +14,7 @@
 #                                              # across-nodes 2-gpus tests, the off-node transfer, the send
 #                                              # under GEMM 2, <= 9 min
 #   bash launch/gpu_cycle.sh tests-x2          # two GPUs, the other 2-gpus tests, <= 9 min
+#   bash launch/gpu_cycle.sh fp8-race          # two GPUs, the FP8 GEMM's stage release fix, <= 8 min
 # bench runs one rank per GPU (on one GPU: one rank, no link); run, fuzz and soak take two
 # ranks, sharing the GPU where there is one.
 set -uo pipefail
@@ -125,11 +126,25 @@ sm__cycles_elapsed.avg.per_second,lts__t_sectors_op_read.sum,dram__bytes_read.su
                     --iters 30 --warmup 5
             done
             summary_lines=40 ;;
+        # The FP8 GEMM's per-warp stage release (notes/gemm.md, "FP8 fused != unfused now and
+        # then on two H200s"), two GPUs, <= 8 min: the race job on the shipped build (must pass)
+        # and on the pre-fix release (should fail: it shows the job catches the race; not counted
+        # in the exit status), then the bench points that showed it (every fused #wrong 0).
+        fp8-race) export NCCL_NVLS_ENABLE=0
+            race=(python3 launch/run.py -n 2 --timeout 200 -- python3 -m mpi4py launch/jobs/check_fp8_race.py)
+            stage fp8-race "passed|failed|FAIL|wrong|differ|# " timeout -k 10 220 env PYTHONPATH=. "${race[@]}"
+            keep=$status
+            stage fp8-race-prefix "passed|failed|FAIL|wrong|differ|# " timeout -k 10 220 env PYTHONPATH=. \
+                "${race[@]}" --release-by-warpgroup
+            status=$keep
+            stage fp8-race-bench "^  dsv3|#wrong" timeout -k 10 120 env PYTHONPATH=. python3 launch/run.py -n 2 \
+                --timeout 110 -- python3 -m mpi4py -m epserve.bench --presets dsv3-prefill-fp8 --routing \
+                balanced,skewed --tokens 1024,2048 --iters 10 --warmup 3 --out "$out/fp8-race-bench" ;;
         # The two-GPU tests other than the across-nodes ones (review-x2 runs those), <= 9 min.
         tests-x2) export NCCL_NVLS_ENABLE=0
             stage tests-x2 "passed|failed|FAILED|SKIPPED|ERROR|timed out" timeout -k 10 540 env PYTHONPATH=. \
                 python3 -m pytest -m gpu tests -q -rs -k "2-gpus and not test_across_nodes" -p no:cacheprovider ;;
-        *) echo "unknown stage $s (test run timing bench fuzz soak sanitize profile profile-fp8 layer review-x2 tests-x2)"; status=1 ;;
+        *) echo "unknown stage $s (test run timing bench fuzz soak sanitize profile profile-fp8 layer review-x2 tests-x2 fp8-race)"; status=1 ;;
     esac
 done
 exit $status
