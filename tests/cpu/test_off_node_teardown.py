@@ -127,3 +127,27 @@ def test_the_relay_and_the_overlapped_send_still_reach_their_off_node(no_gpu):
     assert off.relay.rails == [1]
     assert off.overlap.off_node.plan is off.plan and off.overlap.off_node.relay is off.relay
 
+
+def test_the_carrier_trace_is_off_by_default_and_logs_groups_and_the_free(monkeypatch, tmp_path):
+    """EPSERVE_OFFNODE_TRACE=DIR (a diagnostic): a line per carrier group, peer:bytes in order,
+    and one when the carrier is freed; unset, no trace."""
+    from epserve.comm.carriers import TRACE_ENV, CarrierTrace, Recv, Send, make_carrier
+
+    monkeypatch.setattr(CarrierTrace, "_gc_logs", {})
+    callbacks = list(gc.callbacks)
+    group = types.SimpleNamespace(rank=1)
+    monkeypatch.delenv(TRACE_ENV, raising=False)
+    carrier = make_carrier("nccl", group=group, nccl_comm=Comm(), shared_gpu=False, hosts_differ=False, error_ptr=0,
+                           timeout_ns=1)
+    assert carrier.trace is None
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path))
+    carrier = make_carrier("nccl", group=group, nccl_comm=Comm(), shared_gpu=False, hosts_differ=False, error_ptr=0,
+                           timeout_ns=1)
+    staging = Buffer(64)
+    carrier.trace.group([Send(0, staging, 0, 48), Send(0, staging, 48, 16)], [Recv(0, 0x100, 32, staging, 0)])
+    carrier.trace.group([], [Recv(0, 0x200, 16, staging, 16)])
+    (log,) = tmp_path.glob("carrier*.rank1.log")
+    del carrier
+    gc.callbacks[:] = callbacks  # the trace's garbage-collection log
+    lines = [line.split(" ", 1)[1] for line in log.read_text().splitlines()]
+    assert lines == ["g0 S 0:48 0:16 | R 0:32", "g1 S  | R 0:16", "freed"]
