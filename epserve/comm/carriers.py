@@ -28,10 +28,18 @@ Two implementations, chosen by EPSERVE_OFFNODE_CARRIER (the same on every rank):
           differ). One kernel per group (cuda/comm/staging.cu): post to each receiver, copy
           from each sender once it has posted, tell each sender its bytes were taken, wait
           until each receiver has taken ours. Every wait is bounded (wait_timeout_s).
+
+EPSERVE_OFFNODE_TRACE=DIR (unset: off; for diagnosing a hang): every carrier logs each group it
+makes (CarrierTrace), so the ranks' logs can be compared send for receive.
 """
 
 from __future__ import annotations
 
+import gc
+import itertools
+import os
+import time
+import weakref
 from dataclasses import dataclass
 
 import cupy
@@ -43,6 +51,7 @@ from epserve.runtime.kernel_structs import MAX_WORLD
 
 CARRIER_ENV = "EPSERVE_OFFNODE_CARRIER"
 CARRIERS = ("nccl", "ipc")
+TRACE_ENV = "EPSERVE_OFFNODE_TRACE"
 
 
 def carrier_name() -> str:
@@ -67,6 +76,47 @@ class Recv:
     peer_offset: int  # where that send's bytes start in the peer's staging
 
 
+class CarrierTrace:
+    """EPSERVE_OFFNODE_TRACE=DIR, off when unset (a diagnostic: it costs host time). The k-th
+    carrier this process makes (the services make theirs in the same order on every rank) writes
+    DIR/carrier<k>.rank<r>.log, a line per group as it is queued: the time, g<n>, then its sends
+    and its receives as peer:bytes in the order given to the carrier (NCCL matches the i-th send
+    from a to b with b's i-th receive from a, so the ranks' lines must agree send for receive),
+    and a line when the carrier is freed. DIR/gc.rank<r>.log: every garbage collection that freed
+    objects in reference cycles, with the time (a carrier held by a cycle is freed there, and
+    with it the NCCL communicator, whose destruction is collective inside a node)."""
+
+    _count = itertools.count()
+    _gc_logs = {}
+
+    def __init__(self, directory: str, rank: int, carrier):
+        os.makedirs(directory, exist_ok=True)
+        self._file = open(os.path.join(directory, f"carrier{next(CarrierTrace._count)}.rank{rank}.log"), "a",
+                          buffering=1)
+        self._groups = 0
+        weakref.finalize(carrier, _trace_line, self._file, "freed")
+        if rank not in CarrierTrace._gc_logs:
+            log = CarrierTrace._gc_logs[rank] = open(os.path.join(directory, f"gc.rank{rank}.log"), "a", buffering=1)
+            gc.callbacks.append(lambda phase, info: phase == "stop" and info["collected"] and _trace_line(
+                log, f"gen{info['generation']} collected {info['collected']}"))
+
+    @classmethod
+    def open(cls, group, carrier):
+        """The trace of `carrier` (of group.rank), or None when EPSERVE_OFFNODE_TRACE is unset."""
+        directory = os.environ.get(TRACE_ENV, "").strip()
+        return cls(directory, group.rank, carrier) if directory else None
+
+    def group(self, sends, recvs) -> None:
+        _trace_line(self._file, f"g{self._groups} S " + " ".join(f"{x.peer}:{x.nbytes}" for x in sends) + " | R "
+                    + " ".join(f"{x.peer}:{x.nbytes}" for x in recvs))
+        self._groups += 1
+
+
+def _trace_line(file, text: str) -> None:
+    if not file.closed:
+        file.write(f"{time.time():.6f} {text}\n")
+
+
 class LocalStaging:
     """A send-side staging buffer of the NCCL carrier: plain device memory, no peer mapping."""
 
@@ -80,6 +130,7 @@ class NcclCarrier:
     """The production carrier: one ncclGroupStart/End of ncclSend/ncclRecv on the stream."""
 
     name = "nccl"
+    trace = None  # CarrierTrace with EPSERVE_OFFNODE_TRACE
 
     def __init__(self, nccl_comm, group=None):
         self.comm, self.group = nccl_comm, group
@@ -95,6 +146,8 @@ class NcclCarrier:
     def exchange(self, sends, recvs, status=None) -> None:
         from cupy.cuda import nccl
 
+        if self.trace is not None:
+            self.trace.group(sends, recvs)
         stream = cupy.cuda.get_current_stream().ptr
         nccl.groupStart()
         try:
@@ -123,6 +176,7 @@ class IpcTestCarrier:
     machine, typically sharing one GPU). Not a transport for real nodes."""
 
     name = "ipc"
+    trace = None  # CarrierTrace with EPSERVE_OFFNODE_TRACE
 
     def __init__(self, group, error_ptr: int, timeout_ns: int):
         self.group, self.rank = group, group.rank
@@ -164,6 +218,8 @@ class IpcTestCarrier:
     def exchange(self, sends, recvs, status=None) -> None:
         from epserve.runtime import kernels
 
+        if self.trace is not None:
+            self.trace.group(sends, recvs)
         send_peers, n_send, recv_peers, n_recv_peers, items, n_recv = self._tables(sends, recvs)
         fn = kernels.function("staging", "epserve_ipc_carrier_exchange")
         fn((_IPC_BLOCKS,), (_IPC_THREADS,),
@@ -183,8 +239,11 @@ def make_carrier(name: str, *, group, nccl_comm, shared_gpu: bool, hosts_differ:
         if shared_gpu or nccl_comm is None:
             raise ConfigError(f"{CARRIER_ENV}=nccl: NCCL cannot run between ranks that share a GPU; on one GPU, "
                               f"{CARRIER_ENV}=ipc is the test carrier that imitates the network over CUDA IPC")
-        return NcclCarrier(nccl_comm, group)
-    if hosts_differ:
+        carrier = NcclCarrier(nccl_comm, group)
+    elif hosts_differ:
         raise ConfigError(f"{CARRIER_ENV}=ipc is a test carrier over CUDA IPC: it cannot reach ranks on other "
                           "hosts; use nccl")
-    return IpcTestCarrier(group, error_ptr, timeout_ns)
+    else:
+        carrier = IpcTestCarrier(group, error_ptr, timeout_ns)
+    carrier.trace = CarrierTrace.open(group, carrier)
+    return carrier

@@ -31,6 +31,7 @@ the send after the kernel. A forward with the overlap cannot be captured (captur
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
 import cupy
@@ -109,7 +110,9 @@ class OverlappedSend:
     """One rank's side stream, events and counters for the off-node send under GEMM 2."""
 
     def __init__(self, off_node, free_sms: int):
-        self.off_node, self.free_sms = off_node, free_sms
+        # weakly: off_node holds this, and a cycle would leave its carrier (the NCCL communicator)
+        # to the cyclic garbage collector (tests/cpu/test_off_node_teardown.py)
+        self.off_node, self.free_sms = weakref.proxy(off_node), free_sms
         plan = off_node.plan
         self._done = off_node.combine_staging() + done_counters_offset(plan)
         cupy.cuda.runtime.memset(self._done, 0, done_counters_bytes(plan))

@@ -43,6 +43,7 @@ destination node on the side stream, each node's rows relayed as soon as GEMM 2 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import cupy
@@ -216,7 +217,9 @@ class Relay:
     rank)."""
 
     def __init__(self, off, group):
-        self.off, self.plan = off, RelayPlan(off.plan)
+        # weakly: off holds this Relay, and a cycle would leave off's carrier (the NCCL
+        # communicator) to the cyclic garbage collector (tests/cpu/test_off_node_teardown.py)
+        self.off, self.plan = weakref.proxy(off), RelayPlan(off.plan)
         W, node = off.world, group.node_ranks
         self._dispatch_area = cupy.cuda.alloc(max(16, self.plan.dispatch_relay_bytes))
         # the combine relay area: the carrier's send side and written by this node's ranks

@@ -32,6 +32,10 @@ ranks as 4 nodes of 4 against 2 nodes of 8), and both must give the same bits:
 
     EPSERVE_OFFNODE_CARRIER=ipc python launch/run.py -n 16 --share-gpu -- python -m mpi4py \
         launch/jobs/check_off_node.py --ranks-per-node 8 --reference-ranks-per-node 4 --shapes 1
+
+For a hang (diagnostics, both off by default): EPSERVE_JOB_STACKS_AFTER_S=S dumps every rank's
+Python stacks every S seconds, and EPSERVE_OFFNODE_TRACE=DIR logs every carrier group per rank
+(epserve/comm/carriers.py, CarrierTrace); the stacks then go to DIR too.
 """
 
 from __future__ import annotations
@@ -215,6 +219,26 @@ def capture_refused(svc, first, setting: str) -> list:
     return [f"capture() was not refused with {setting}"]
 
 
+STACKS_ENV = "EPSERVE_JOB_STACKS_AFTER_S"  # a diagnostic, off when unset
+
+
+def dump_stacks_if_asked(rank: int) -> None:
+    """EPSERVE_JOB_STACKS_AFTER_S=S: every S seconds, each rank's Python stacks (faulthandler),
+    into EPSERVE_OFFNODE_TRACE's directory as stacks.rank<r>.txt when that is set, else stderr:
+    where each rank sits when the job hangs."""
+    after = os.environ.get(STACKS_ENV, "").strip()
+    if not after:
+        return
+    import faulthandler
+
+    directory = os.environ.get("EPSERVE_OFFNODE_TRACE", "").strip()
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    out = open(os.path.join(directory, f"stacks.rank{rank}.txt"), "w") if directory else sys.stderr
+    dump_stacks_if_asked.file = out  # kept open for the dumps
+    faulthandler.dump_traceback_later(float(after), repeat=True, file=out)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--ranks-per-node", type=int, required=True)
@@ -224,6 +248,7 @@ def main():
     p.add_argument("--shapes", type=int, default=len(SHAPES), help="the first N of check_service's shapes")
     args = p.parse_args()
     comm = ep_comm.world()
+    dump_stacks_if_asked(comm.Get_rank())
     return run_cases(comm, "check_off_node", list(enumerate(SHAPES[: args.shapes])), lambda case: record(
         comm, case[1][0], *run_shape(comm, *case[1], args.seed + 10 * case[0], args.ranks_per_node,
                                      args.reference_ranks_per_node)))

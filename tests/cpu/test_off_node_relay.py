@@ -147,6 +147,28 @@ def test_routed_sizes_agree_at_both_ends_and_with_the_direct_route(W, R, seed):
         assert relay_sizes(blank, p) == z
 
 
+@pytest.mark.parametrize("W,R", LAYOUTS)
+def test_routed_sizes_agree_when_a_rank_stands_in(W, R):
+    """A rank whose input was rejected (or held a bad expert id) publishes zeros and an error
+    code: both ends of every transfer read that row as empty, so the sized groups of the call
+    the verdict stops still meet send for receive (the rank standing in and the others make the
+    same groups; tests/cpu/test_off_node_teardown.py has what made the NCCL job hang)."""
+    ps, staging, relay = plans(W, R), Staging(), Staging()
+    for culprit in {0, W - 1, R}:
+        if culprit >= W:
+            continue
+        table = routed_table(W, culprit)
+        table[culprit] = 0
+        table[culprit, -1] = 100  # EPSERVE_INPUT_REJECTED
+        sizes = [relay_sizes(table, p) for p in ps]
+        assert matched([p.rows_group(staging, 1 << 40, z) for p, z in zip(ps, sizes)])
+        assert matched([p.combine_group(relay, 1 << 40, z) for p, z in zip(ps, sizes)])
+        assert not any(sizes[culprit].tokens_to.values()) and not any(sizes[culprit].returns_from.values())
+        for z in sizes:  # what comes from, or goes home to, the rank standing in is empty everywhere
+            assert not any(n for (s, _), n in z.relayed_in.items() if s == culprit)
+            assert not any(n for (h, _), n in z.relayed_out.items() if h == culprit)
+
+
 def test_relay_areas_hold_r_blocks_per_other_node():
     p = plans(8, 2)[3]
     assert p.dispatch_relay_bytes == 3 * 2 * p.block_bytes
