@@ -30,28 +30,23 @@ Two implementations, chosen by EPSERVE_OFFNODE_CARRIER (the same on every rank):
           until each receiver has taken ours. Every wait is bounded (wait_timeout_s).
 
 EPSERVE_OFFNODE_TRACE=DIR (unset: off; for diagnosing a hang): every carrier logs each group it
-makes (CarrierTrace), so the ranks' logs can be compared send for receive.
+makes (epserve/comm/carrier_trace.py), so the ranks' logs can be compared send for receive.
 """
 
 from __future__ import annotations
 
-import gc
-import itertools
-import os
-import time
-import weakref
 from dataclasses import dataclass
 
 import cupy
 import numpy as np
 
+from epserve.comm.carrier_trace import CarrierTrace
 from epserve.comm.settings import env_choice
 from epserve.errors import ConfigError
 from epserve.runtime.kernel_structs import MAX_WORLD
 
 CARRIER_ENV = "EPSERVE_OFFNODE_CARRIER"
 CARRIERS = ("nccl", "ipc")
-TRACE_ENV = "EPSERVE_OFFNODE_TRACE"
 
 
 def carrier_name() -> str:
@@ -74,47 +69,6 @@ class Recv:
     nbytes: int
     staging: object   # the staging buffer the peer's matching send reads from (the same on every rank)
     peer_offset: int  # where that send's bytes start in the peer's staging
-
-
-class CarrierTrace:
-    """EPSERVE_OFFNODE_TRACE=DIR, off when unset (a diagnostic: it costs host time). The k-th
-    carrier this process makes (the services make theirs in the same order on every rank) writes
-    DIR/carrier<k>.rank<r>.log, a line per group as it is queued: the time, g<n>, then its sends
-    and its receives as peer:bytes in the order given to the carrier (NCCL matches the i-th send
-    from a to b with b's i-th receive from a, so the ranks' lines must agree send for receive),
-    and a line when the carrier is freed. DIR/gc.rank<r>.log: every garbage collection that freed
-    objects in reference cycles, with the time (a carrier held by a cycle is freed there, and
-    with it the NCCL communicator, whose destruction is collective inside a node)."""
-
-    _count = itertools.count()
-    _gc_logs = {}
-
-    def __init__(self, directory: str, rank: int, carrier):
-        os.makedirs(directory, exist_ok=True)
-        self._file = open(os.path.join(directory, f"carrier{next(CarrierTrace._count)}.rank{rank}.log"), "a",
-                          buffering=1)
-        self._groups = 0
-        weakref.finalize(carrier, _trace_line, self._file, "freed")
-        if rank not in CarrierTrace._gc_logs:
-            log = CarrierTrace._gc_logs[rank] = open(os.path.join(directory, f"gc.rank{rank}.log"), "a", buffering=1)
-            gc.callbacks.append(lambda phase, info: phase == "stop" and info["collected"] and _trace_line(
-                log, f"gen{info['generation']} collected {info['collected']}"))
-
-    @classmethod
-    def open(cls, group, carrier):
-        """The trace of `carrier` (of group.rank), or None when EPSERVE_OFFNODE_TRACE is unset."""
-        directory = os.environ.get(TRACE_ENV, "").strip()
-        return cls(directory, group.rank, carrier) if directory else None
-
-    def group(self, sends, recvs) -> None:
-        _trace_line(self._file, f"g{self._groups} S " + " ".join(f"{x.peer}:{x.nbytes}" for x in sends) + " | R "
-                    + " ".join(f"{x.peer}:{x.nbytes}" for x in recvs))
-        self._groups += 1
-
-
-def _trace_line(file, text: str) -> None:
-    if not file.closed:
-        file.write(f"{time.time():.6f} {text}\n")
 
 
 class LocalStaging:

@@ -35,7 +35,7 @@ ranks as 4 nodes of 4 against 2 nodes of 8), and both must give the same bits:
 
 For a hang (diagnostics, both off by default): EPSERVE_JOB_STACKS_AFTER_S=S dumps every rank's
 Python stacks every S seconds, and EPSERVE_OFFNODE_TRACE=DIR logs every carrier group per rank
-(epserve/comm/carriers.py, CarrierTrace); the stacks then go to DIR too.
+(epserve/comm/carrier_trace.py); the stacks then go to DIR too.
 """
 
 from __future__ import annotations

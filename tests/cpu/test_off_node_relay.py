@@ -230,9 +230,9 @@ def param_sizes(ptx: str, kernel: str) -> list[int]:
 
 
 def test_launches_match_their_kernels(monkeypatch, tmp_path):
-    from epserve.runtime.kernel_structs import DISPATCH_CONFIG, PEER_SEND_CONFIG
-
     from test_dispatch_launch_args import fake_stamps
+
+    from epserve.runtime.kernel_structs import DISPATCH_CONFIG, PEER_SEND_CONFIG
 
     monkeypatch.setenv("EPSERVE_CACHE_DIR", str(tmp_path))
     ptx = {m: build.compile_source(*kernels.VARIANTS[m]).ptx.read_text() for m in ("off_node_relay", "staging")}

@@ -131,7 +131,8 @@ def test_the_relay_and_the_overlapped_send_still_reach_their_off_node(no_gpu):
 def test_the_carrier_trace_is_off_by_default_and_logs_groups_and_the_free(monkeypatch, tmp_path):
     """EPSERVE_OFFNODE_TRACE=DIR (a diagnostic): a line per carrier group, peer:bytes in order,
     and one when the carrier is freed; unset, no trace."""
-    from epserve.comm.carriers import TRACE_ENV, CarrierTrace, Recv, Send, make_carrier
+    from epserve.comm.carrier_trace import TRACE_ENV, CarrierTrace
+    from epserve.comm.carriers import Recv, Send, make_carrier
 
     monkeypatch.setattr(CarrierTrace, "_gc_logs", {})
     callbacks = list(gc.callbacks)
