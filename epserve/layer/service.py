@@ -127,7 +127,10 @@ class EPService:
         """
         self.config = config
         self.check_errors = bool(check_errors)
-        self._lost = None  # the PeerTimeoutError after which this service cannot go on
+        # the PeerTimeoutError after which this service cannot go on, kept without its traceback:
+        # its frames hold this service, and a cycle would leave the NCCL communicator to the
+        # garbage collector, whose destroy is collective inside a node (docs/design.md)
+        self._lost = None
         self.comm = ep_comm.world(comm)
         self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
         check_agreement(config, self.comm)  # needs no GPU: a mismatch is reported before any CUDA call
@@ -461,12 +464,16 @@ class EPService:
             self._raise_pending()
         return out
 
+    def _lose(self, exc: PeerTimeoutError) -> None:
+        """This service cannot go on after exc: later calls are refused, naming it."""
+        self._lost = PeerTimeoutError(str(exc))  # a copy without the traceback (see __init__)
+
     def _lose_on_timeout(self, fn, *args):
         """fn(*args); a PeerTimeoutError from a host wait (the off-node sizes') loses the service."""
         try:
             return fn(*args)
         except PeerTimeoutError as exc:
-            self._lost = exc
+            self._lose(exc)
             raise
 
     @property
@@ -588,7 +595,7 @@ class EPService:
         try:
             self.signals.raise_pending(self.rank)
         except PeerTimeoutError as exc:
-            self._lost = exc
+            self._lose(exc)
             raise
 
     def _forward_baseline(self, x, topk_idx, topk_weights, w13, w2, sink, dispatch, out):
@@ -617,7 +624,7 @@ class EPService:
         try:
             self.signals.raise_if_error(self.rank)
         except PeerTimeoutError as exc:
-            self._lost = exc
+            self._lose(exc)
             raise
 
     # ---- lifetime -----------------------------------------------------------------------

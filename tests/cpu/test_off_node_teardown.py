@@ -152,3 +152,29 @@ def test_the_carrier_trace_is_off_by_default_and_logs_groups_and_the_free(monkey
     gc.callbacks[:] = callbacks  # the trace's garbage-collection log
     lines = [line.split(" ", 1)[1] for line in log.read_text().splitlines()]
     assert lines == ["g0 S 0:48 0:16 | R 0:32", "g1 S  | R 0:16", "freed"]
+
+
+def test_a_lost_service_keeps_no_traceback_of_itself():
+    """After a PeerTimeoutError the service keeps the error to refuse later calls; kept with
+    its traceback, whose frames hold the service, it would make a cycle and leave the NCCL
+    communicator to the cyclic collector (whose destroy is collective inside a node)."""
+    from epserve.errors import PeerTimeoutError
+    from epserve.layer.service import EPService
+
+    svc = EPService.__new__(EPService)
+    svc._lost = None
+
+    def times_out():
+        raise PeerTimeoutError("rank 0: stage combine-wait: rank 1 never came")
+
+    with pytest.raises(PeerTimeoutError):
+        svc._lose_on_timeout(times_out)
+    assert str(svc._lost) == "rank 0: stage combine-wait: rank 1 never came"
+    assert svc._lost.__traceback__ is None
+    gc.disable()
+    try:
+        ref = weakref.ref(svc)
+        del svc
+        assert ref() is None  # freed by reference counting alone
+    finally:
+        gc.enable()
