@@ -381,15 +381,19 @@ class OffNode:
         if self.relay is not None:
             self.relay.exchange_rows(self._dispatch_staging, cfg, status, expert_offsets, experts_per_rank, sizes)
             return
-        def stamped(sizes=None):
-            return self.stamps.with_stamps(ROWS, *self.plan.rows_group(self._dispatch_staging, tokens, meta, sizes),
-                                           self.plan.peers)
-
-        key = ("rows", tokens, meta)
-        if sizes is None and key not in self._groups:
-            self._groups[key] = stamped()
-        group = stamped(sizes) if sizes is not None else self._groups[key]
+        if sizes is not None:
+            group = self._stamped_rows_group(tokens, meta, sizes)
+        else:
+            key = ("rows", tokens, meta)
+            if key not in self._groups:
+                self._groups[key] = self._stamped_rows_group(tokens, meta)
+            group = self._groups[key]
         self.stamps.exchange(self.carrier, ROWS, *group, status=status, valid=status)
+
+    def _stamped_rows_group(self, tokens: int, meta: int, sizes: OffNodeSizes | None = None):
+        """The direct route's token-row group, ending with the stamps (off_node_stamps.py)."""
+        return self.stamps.with_stamps(ROWS, *self.plan.rows_group(self._dispatch_staging, tokens, meta, sizes),
+                                       self.plan.peers)
 
     def return_slots_spec(self, src_info, expert_offsets, base, count_table: int, status) -> tuple:
         """Sizes "host", after the dispatch: the launch that writes sink_src_info, where each

@@ -43,6 +43,9 @@ class CallStamps:
         self.out = carrier.staging(KINDS * STAMP_BYTES)
         self._landed = cupy.zeros((KINDS, world, 2), np.uint64)
         self._calls = cupy.zeros(KINDS, np.uint64)
+        # the per-kind views the launches take, made once (not per call)
+        self._landed_of = [self._landed[k] for k in range(KINDS)]
+        self._calls_of = [self._calls[k:k + 1] for k in range(KINDS)]
         self._peer_lists = {}
 
     def transfers(self, kind: int, peers) -> tuple[list, list]:
@@ -66,7 +69,7 @@ class CallStamps:
         """Before the group: this rank's stamp of this call (valid: an int[2] call status, or
         None for always valid)."""
         fn = kernels.function("staging", "epserve_off_node_stamp")
-        fn((1,), (1,), (u64(int(self.out.ptr) + kind * STAMP_BYTES), self._calls[kind:kind + 1],
+        fn((1,), (1,), (u64(int(self.out.ptr) + kind * STAMP_BYTES), self._calls_of[kind],
                         valid if valid is not None else u64(0)))
 
     def check(self, kind: int, recvs, status, advance: bool) -> None:
@@ -75,7 +78,7 @@ class CallStamps:
         call's last group of this kind."""
         peers = tuple(self.senders(recvs))
         fn = kernels.function("staging", "epserve_off_node_stamps_check")
-        fn((1,), (32,), (self._landed[kind], self._peer_array(peers), i32(len(peers)), self._calls[kind:kind + 1],
+        fn((1,), (32,), (self._landed_of[kind], self._peer_array(peers), i32(len(peers)), self._calls_of[kind],
                          i32(1 if advance else 0), i32(kind), u64(self.signals.local(sig.ERROR)),
                          status if status is not None else u64(0)))
 

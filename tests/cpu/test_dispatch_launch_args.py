@@ -298,6 +298,7 @@ def fake_stamps(monkeypatch, world):
     s.world, s.signals, s._peer_lists = world, types.SimpleNamespace(local=lambda a: 0x3000 + a), {}
     s.out = types.SimpleNamespace(ptr=0x8000)
     s._landed, s._calls = Device((st.KINDS, world, 2)), Device((st.KINDS,))
+    s._landed_of, s._calls_of = [Device((world, 2))] * st.KINDS, [Device()] * st.KINDS
     s._peer_array = lambda peers: Device((max(1, len(peers)),))
     return s
 

@@ -169,20 +169,27 @@ def test_relay_under_gemm2_is_bitwise_the_one_node_run(ranks, ranks_per_node, si
     check(proc, results, planned, ranks, carrier, ranks // ranks_per_node, sizes=sizes, overlap=True, route="relay")
 
 
+def run_at_two_nodes_of_two(job: str, args: list, route: str, timeout: int):
+    """launch/jobs/<job> at 4 ranks as 2 nodes of 2 on one shared GPU (ipc carrier, capacity
+    blocks, no overlap) under the launcher's `timeout`: the process and each rank's record."""
+    cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "-n", "4", "--timeout", str(timeout), "--share-gpu", "--",
+           sys.executable, "-m", "mpi4py", str(ROOT / "launch" / "jobs" / job), *args]
+    env = dict(os.environ, EPSERVE_OFFNODE_CARRIER="ipc", EPSERVE_RANKS_PER_NODE="2", EPSERVE_OFFNODE_ROUTE=route)
+    for name in ("EPSERVE_OFFNODE_SIZES", "EPSERVE_OFFNODE_OVERLAP"):
+        env.pop(name, None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 60, cwd=ROOT, env=env)
+    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and len(results) == 4 and all(r["ok"] for r in results), explain(proc)
+    return results
+
+
 @pytest.mark.parametrize("route", ["direct", "relay"])
 def test_forward_captured_across_nodes_replays_bitwise(route):
     """The capacity blocks need no host wait, so forward across nodes goes into a CUDA graph:
     launch/jobs/check_graph.py at 4 ranks as 2 nodes of 2 (ipc carrier, one shared GPU), every
     replay bitwise the eager forward, a bad expert id under the graph poisons out and raises on
     every rank, and the next replay is right again."""
-    cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "-n", "4", "--timeout", "300", "--share-gpu", "--",
-           sys.executable, "-m", "mpi4py", str(ROOT / "launch" / "jobs" / "check_graph.py"), "--replays", "12"]
-    env = dict(os.environ, EPSERVE_OFFNODE_CARRIER="ipc", EPSERVE_RANKS_PER_NODE="2", EPSERVE_OFFNODE_ROUTE=route)
-    for name in ("EPSERVE_OFFNODE_SIZES", "EPSERVE_OFFNODE_OVERLAP"):
-        env.pop(name, None)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=360, cwd=ROOT, env=env)
-    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and len(results) == 4 and all(r["ok"] for r in results), explain(proc)
+    results = run_at_two_nodes_of_two("check_graph.py", ["--replays", "12"], route, timeout=300)
     assert {(r["nodes"], r["route"], r["replays"]) for r in results} == {(2, route, 12)}, results
 
 
@@ -194,14 +201,7 @@ def test_a_rank_failing_mid_call_fails_the_ranks_that_read_its_rows(route, stage
     (combine), before its rows cross. Without the stamps on the carrier's groups the other
     node's ranks would take rank 1's (or its relay's) rows and return; they must raise
     PeerTimeoutError instead, rank 1 its own error, and nobody may hang."""
-    cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "-n", "4", "--timeout", "240", "--share-gpu", "--",
-           sys.executable, "-m", "mpi4py", str(ROOT / "launch" / "jobs" / "off_node_failure.py"), stage]
-    env = dict(os.environ, EPSERVE_OFFNODE_CARRIER="ipc", EPSERVE_RANKS_PER_NODE="2", EPSERVE_OFFNODE_ROUTE=route)
-    for name in ("EPSERVE_OFFNODE_SIZES", "EPSERVE_OFFNODE_OVERLAP"):
-        env.pop(name, None)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and len(results) == 4 and all(r["ok"] for r in results), explain(proc)
+    results = run_at_two_nodes_of_two("off_node_failure.py", [stage], route, timeout=240)
     assert {(r["nodes"], r["route"], r["stage"]) for r in results} == {(2, route, stage)}, results
 
 
