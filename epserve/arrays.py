@@ -88,7 +88,7 @@ def checked_array(obj, name: str, dtype: str, shape: tuple) -> cupy.ndarray:
     if bad:
         want_shape = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         raise ConfigError(f"{name} must have shape {want_shape}, got {list(got)}")
-    if not a.flags.c_contiguous:
+    if not a._c_contiguous:  # a.flags builds an object per call
         raise ConfigError(f"{name} must be C-contiguous (strides {a.strides} for shape {a.shape})")
     here = cupy.cuda.runtime.getDevice()
     where = _device_of(a)

@@ -29,11 +29,14 @@ from epserve.dispatch.route import Route
 from epserve.ffn.fp8 import packed_row_bytes
 from epserve.runtime import kernels
 from epserve.runtime.kernel_structs import i32, launch_arg, pack_dispatch_config, u64
-from epserve.runtime.launch import LaunchSequence
+from epserve.runtime.launch import LaunchSequence, Recording
+from epserve.runtime.replay import LaunchReplay
 
 INPUT_REJECTED = 100  # EPSERVE_INPUT_REJECTED: the code a rank puts in its count row when its own input failed
 
 _NULL = u64(0)
+_NOT_REPLAYABLE = object()  # a key whose recorded launches LaunchReplay refused: built every call
+_MAX_REPLAYS = 64  # recorded dispatches kept (token counts x streams x settings)
 
 MOVE_THREADS = 256  # kMoveThreads in dispatch_common.cuh: a warp per token row
 ARRIVAL_CHUNK = 32  # kArrivalChunk in dispatch.cu: token rows per arrival counter
@@ -122,10 +125,18 @@ class DirectDispatcher:
         self.expand_blocks = max(1, min(self._sms * 2, (W * max_tokens + 7) // 8))
         self._max_chunks_arg = i32(self._max_chunks)
         self._pinned = cupy.cuda.alloc_pinned_memory(4)
+        self._count_host = np.frombuffer(self._pinned, np.int32, 1)
+        self._E_loc = self.E // W
         self._shapes = {}  # (T, rejected) -> the launches' grids and int arguments
         # The launches, prepared once per (T, rejected): a call rewrites only x and topk_idx.
         # launch/jobs/time_dispatch.py sets launches.prepared = False to wrap each kernel.
         self.launches = LaunchSequence()
+        # The public dispatch's launches, recorded at the first call of a key and replayed as
+        # one CUDA graph (runtime/replay.py), as forward does: it waits for the GPU, so the
+        # host's time is the call's. replay_dispatch = False builds them every call (checks).
+        self._replays = {}
+        self.replay_dispatch = True
+        self.replayed_calls = 0
         if off_node is not None:  # its sized transfers and compact land read these
             off_node.bind_dispatch(self._table.ptr, self._tokens.ptr, self._meta.ptr, self.route.slot_rank)
 
@@ -222,25 +233,61 @@ class DirectDispatcher:
     def rows_received(self) -> int:
         """This call's row count, read on the host (waits for the stream): for the baselines
         and the public dispatch, never for forward."""
-        host = np.frombuffer(self._pinned, np.int32, 1)
-        self.expert_offsets[-1:].get(out=host, blocking=False)
+        self._count_to_host(cupy.cuda.get_current_stream().ptr)
         cupy.cuda.get_current_stream().synchronize()
-        return int(host[0])
+        return int(self._count_host[0])
+
+    def _count_to_host(self, stream: int) -> None:
+        cupy.cuda.runtime.memcpyAsync(self._pinned.ptr, self.expert_offsets.data.ptr + 4 * self._E_loc, 4,
+                                      cupy.cuda.runtime.memcpyDeviceToHost, stream)
 
     def dispatch(self, x: cupy.ndarray | None, topk_idx: cupy.ndarray | None, input_error: BaseException | None = None
                  ) -> Dispatched:
         """Dispatch and wait for it: every rank raises when any rank's input was bad or some
         rank would overflow its receive capacity (this rank's own input_error, when it has
         one). The rows returned are views of this dispatcher's buffers, valid until the next
-        dispatch."""
-        self.enqueue(x, topk_idx, rejected=input_error is not None)
+        dispatch; expert_offsets and src_info are the call's own copies."""
+        stream = cupy.cuda.get_current_stream().ptr
+        if self.replay_dispatch and input_error is None and self.off_node is None and x.shape[0]:
+            self._enqueue_replayed(x, topk_idx, stream)
+        else:
+            self.enqueue(x, topk_idx, rejected=input_error is not None)
         # Everything the result needs is queued before the one host wait, so the GPU has
         # nothing left to do after it: copies of expert_offsets and of src_info at capacity
         # (sliced once the count is known), and the row count into pinned memory, which the
-        # error record's copy and wait in raise_pending cover.
-        offsets, src_info = self.expert_offsets.copy(), self.src_info.copy()
-        host = np.frombuffer(self._pinned, np.int32, 1)
-        self.expert_offsets[-1:].get(out=host, blocking=False)
+        # error record's copy and wait in raise_pending cover. Plain copies on the stream:
+        # CuPy's elementwise copy costs several times their host time.
+        offsets, src_info = cupy.empty_like(self.expert_offsets), cupy.empty_like(self.src_info)
+        d2d = cupy.cuda.runtime.memcpyDeviceToDevice
+        cupy.cuda.runtime.memcpyAsync(offsets.data.ptr, self.expert_offsets.data.ptr, offsets.nbytes, d2d, stream)
+        cupy.cuda.runtime.memcpyAsync(src_info.data.ptr, self.src_info.data.ptr, src_info.nbytes, d2d, stream)
+        self._count_to_host(stream)
         self.signals.raise_pending_or(self.rank, input_error)
-        M = int(host[0])
+        M = int(self._count_host[0])
         return Dispatched(self.rows[:M], offsets, src_info[:M], M)
+
+    def _enqueue_replayed(self, x: cupy.ndarray, topk_idx: cupy.ndarray, stream: int) -> None:
+        """enqueue for a one-node call with good input, its launches recorded once per key
+        (everything that shapes them: the token count, the stream, the grids and builds
+        launch/jobs/time_dispatch.py may change) and replayed with x and topk_idx rewritten."""
+        key = (x.shape[0], stream, self.quantizes, self.own_in_send, self.fuse_release, self.send_blocks_max,
+               self.expand_blocks, self._move, self._move_quantize)
+        replay = self._replays.get(key)
+        inputs = {"x": x, "topk_idx": topk_idx}
+        if replay is None and self.launches.prepared:
+            with Recording() as recording:
+                self.enqueue(x, topk_idx)
+            if recording.complete:
+                if len(self._replays) >= _MAX_REPLAYS:
+                    self._replays.clear()
+                self._replays[key] = LaunchReplay.of(recording, inputs) or _NOT_REPLAYABLE
+        elif replay is None or replay is _NOT_REPLAYABLE:
+            self.enqueue(x, topk_idx)
+        else:
+            replay(inputs, stream)
+            self.replayed_calls += 1
+
+    @property
+    def graph_replays(self) -> int:
+        """Replayed dispatches that went out as one CUDA graph launch."""
+        return sum(r.graph_launches for r in self._replays.values() if isinstance(r, LaunchReplay))

@@ -11,7 +11,9 @@ round's replayed forward must equal the same call with its launches built anew
 (svc.replay_forward = False) bit for bit, and the float64 reference within 1e-2 every sixth
 round. The number of replayed calls must be exactly the calls whose key was seen before
 (a replay silently refused would show here), and each must have gone out as one CUDA graph
-launch. In the middle, a round with an expert id out of
+launch. The public direct dispatch replays its launches too (DirectDispatcher.replay_dispatch):
+every round its rows, expert_offsets and src_info must equal a dispatch built anew bit for
+bit, with the same count of replays and graph launches. In the middle, a round with an expert id out of
 range on the last rank must raise on every rank with out poisoned, and the next round must be
 right again. --fp8: the same with FP8 experts. Prints `RESULT {json}` lines; exits non-zero if
 any check failed on any rank.
@@ -38,6 +40,28 @@ TOKEN_PLANS = ((48, 33), (33, 48), (5, 1), (48, 33))  # per rank, changed every 
 BAD_ROUND = 13
 
 
+def dispatch_replay_failures(svc, x, idx, w, n: int, bad: bool) -> list:
+    """The public direct dispatch, replayed, against the same dispatch built anew: rows,
+    expert_offsets and src_info bit for bit; with a bad expert id it must raise (every rank)."""
+    got = []
+    for replay in (True, False):
+        svc.direct.replay_dispatch = replay
+        try:
+            d = svc.dispatch(x, idx, w, "direct")
+            got.append([cupy.asnumpy(a).view(np.uint8) for a in (d.rows, d.expert_offsets, d.src_info)])
+        except EPServeError as exc:
+            got.append(None if bad else f"{type(exc).__name__}: {exc}")
+        finally:
+            svc.direct.replay_dispatch = True
+    if bad:
+        return [f"round {n}: an expert id out of range (dispatch, replayed {r}): nothing raised"
+                for r, g in zip((True, False), got) if g is not None]
+    if any(isinstance(g, str) for g in got):
+        return [f"round {n}: dispatch: {g}" for g in got if isinstance(g, str)]
+    return [f"round {n}: the replayed dispatch's {name} differs from the rebuilt one's"
+            for name, a, b in zip(("rows", "expert_offsets", "src_info"), *got) if not np.array_equal(a, b)]
+
+
 def main():
     p = argparse.ArgumentParser(prog="launch/jobs/check_replay.py")
     p.add_argument("--rounds", type=int, default=24)
@@ -54,6 +78,7 @@ def main():
     failures, info = [], {"rounds": 0, "expert_dtype": cfg.expert_dtype}
     layers = [layer_inputs(args.seed + 1000 * n, plans[0], E, K, H, I) for n in range(2)]
     seen, expected_replays = set(), 0
+    seen_dispatch, expected_dispatch_replays = set(), 0
     with EPService(cfg, comm) as svc:
         info["transport"] = svc.transport
         weights = []
@@ -96,6 +121,9 @@ def main():
                     failures.append("the failed replayed call left output that is not poisoned (NaN)")
             expected_replays += key in seen
             seen.add(key)
+            failures += dispatch_replay_failures(svc, x, idx, w, n, bad)
+            expected_dispatch_replays += tokens[rank] in seen_dispatch
+            seen_dispatch.add(tokens[rank])
             if bad:
                 continue
             svc.replay_forward = False
@@ -122,6 +150,11 @@ def main():
                             "refused or a key missed")
         if svc.graph_replays != svc.replayed_calls:  # nothing here is captured: every replay is a graph launch
             failures.append(f"{svc.graph_replays} of {svc.replayed_calls} replays went out as a CUDA graph")
+        d = svc.direct
+        info["dispatch_replays"], info["expected_dispatch_replays"] = d.replayed_calls, expected_dispatch_replays
+        if d.replayed_calls != expected_dispatch_replays or d.graph_replays != d.replayed_calls:
+            failures.append(f"public dispatch: {d.replayed_calls} calls replayed ({d.graph_replays} as a CUDA graph), "
+                            f"{expected_dispatch_replays} expected")
     report(comm, dict(case="replay-fp8" if args.fp8 else "replay", rank=rank, ok=not failures, failures=failures[:10],
                       **info))
     bad_ranks = comm.allreduce(int(bool(failures)))
