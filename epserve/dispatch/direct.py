@@ -19,12 +19,12 @@ quantize_in_send = False takes already packed rows instead (the unfused path, fo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import cupy
 import numpy as np
 
 from epserve.comm import signals as sig
+from epserve.dispatch import result
+from epserve.dispatch.result import Dispatched, RowCount
 from epserve.dispatch.route import Route
 from epserve.ffn.fp8 import packed_row_bytes
 from epserve.runtime import kernels
@@ -41,16 +41,6 @@ _MAX_REPLAYS = 64  # recorded dispatches kept (token counts x streams x settings
 MOVE_THREADS = 256  # kMoveThreads in dispatch_common.cuh: a warp per token row
 ARRIVAL_CHUNK = 32  # kArrivalChunk in dispatch.cu: token rows per arrival counter
 RELEASE_THREADS = 256
-
-
-@dataclass
-class Dispatched:
-    """What dispatch returns: this rank's expert rows and where each came from."""
-
-    rows: cupy.ndarray            # [M, H] bf16, expert-contiguous (dispatch order)
-    expert_offsets: cupy.ndarray  # [E_loc + 1] int32
-    src_info: cupy.ndarray        # [M] int32, packed (rank << 24) | (token << 4) | slot
-    num_rows: int                 # M
 
 
 class DirectDispatcher:
@@ -124,9 +114,7 @@ class DirectDispatcher:
         self.send_blocks_max = self._sms
         self.expand_blocks = max(1, min(self._sms * 2, (W * max_tokens + 7) // 8))
         self._max_chunks_arg = i32(self._max_chunks)
-        self._pinned = cupy.cuda.alloc_pinned_memory(4)
-        self._count_host = np.frombuffer(self._pinned, np.int32, 1)
-        self._E_loc = self.E // W
+        self.row_count = RowCount(self.expert_offsets)
         self._shapes = {}  # (T, rejected) -> the launches' grids and int arguments
         # The launches, prepared once per (T, rejected): a call rewrites only x and topk_idx.
         # launch/jobs/time_dispatch.py sets launches.prepared = False to wrap each kernel.
@@ -233,38 +221,20 @@ class DirectDispatcher:
     def rows_received(self) -> int:
         """This call's row count, read on the host (waits for the stream): for the baselines
         and the public dispatch, never for forward."""
-        self._count_to_host(cupy.cuda.get_current_stream().ptr)
-        cupy.cuda.get_current_stream().synchronize()
-        return int(self._count_host[0])
-
-    def _count_to_host(self, stream: int) -> None:
-        cupy.cuda.runtime.memcpyAsync(self._pinned.ptr, self.expert_offsets.data.ptr + 4 * self._E_loc, 4,
-                                      cupy.cuda.runtime.memcpyDeviceToHost, stream)
+        return self.row_count.wait()
 
     def dispatch(self, x: cupy.ndarray | None, topk_idx: cupy.ndarray | None, input_error: BaseException | None = None
                  ) -> Dispatched:
         """Dispatch and wait for it: every rank raises when any rank's input was bad or some
         rank would overflow its receive capacity (this rank's own input_error, when it has
         one). The rows returned are views of this dispatcher's buffers, valid until the next
-        dispatch; expert_offsets and src_info are the call's own copies."""
+        dispatch; expert_offsets and src_info are the call's own copies (epserve/dispatch/result.py)."""
         stream = cupy.cuda.get_current_stream().ptr
         if self.replay_dispatch and input_error is None and self.off_node is None and x.shape[0]:
             self._enqueue_replayed(x, topk_idx, stream)
         else:
             self.enqueue(x, topk_idx, rejected=input_error is not None)
-        # Everything the result needs is queued before the one host wait, so the GPU has
-        # nothing left to do after it: copies of expert_offsets and of src_info at capacity
-        # (sliced once the count is known), and the row count into pinned memory, which the
-        # error record's copy and wait in raise_pending cover. Plain copies on the stream:
-        # CuPy's elementwise copy costs several times their host time.
-        offsets, src_info = cupy.empty_like(self.expert_offsets), cupy.empty_like(self.src_info)
-        d2d = cupy.cuda.runtime.memcpyDeviceToDevice
-        cupy.cuda.runtime.memcpyAsync(offsets.data.ptr, self.expert_offsets.data.ptr, offsets.nbytes, d2d, stream)
-        cupy.cuda.runtime.memcpyAsync(src_info.data.ptr, self.src_info.data.ptr, src_info.nbytes, d2d, stream)
-        self._count_to_host(stream)
-        self.signals.raise_pending_or(self.rank, input_error)
-        M = int(self._count_host[0])
-        return Dispatched(self.rows[:M], offsets, src_info[:M], M)
+        return result.take(self, self.rank, input_error, stream)
 
     def _enqueue_replayed(self, x: cupy.ndarray, topk_idx: cupy.ndarray, stream: int) -> None:
         """enqueue for a one-node call with good input, its launches recorded once per key

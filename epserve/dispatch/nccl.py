@@ -32,7 +32,9 @@ import cupy
 import numpy as np
 
 from epserve.comm import signals as sig
-from epserve.dispatch.direct import INPUT_REJECTED, MOVE_THREADS, Dispatched
+from epserve.dispatch import result
+from epserve.dispatch.direct import INPUT_REJECTED, MOVE_THREADS
+from epserve.dispatch.result import Dispatched, RowCount
 from epserve.dispatch.route import Route
 from epserve.runtime import kernels
 from epserve.runtime.kernel_structs import i32, launch_arg, pack_dispatch_config, u64
@@ -136,7 +138,7 @@ class NcclDispatcher:
             off_blocks=0, off_block_bytes=0, rank=self.rank, world=W, num_experts=E, top_k=k, hidden=H,
             max_tokens=T, max_recv_rows=self.max_recv_rows, ranks_per_node=1, node_first=self.rank))
         self._expand_grid = (max(1, min(self._sms * 4, (W * T + 7) // 8)),)
-        self._pinned = cupy.cuda.alloc_pinned_memory(4)
+        self.row_count = RowCount(self.expert_offsets)
         self._shapes = {}
         # The dispatch's launches, prepared once per (T, rejected), in three runs around the two
         # NCCL calls: a call rewrites only x and topk_idx.
@@ -224,17 +226,12 @@ class NcclDispatcher:
     def rows_received(self) -> int:
         """This call's row count, read on the host (waits for the stream): for the public
         dispatch only, never for forward."""
-        host = np.frombuffer(self._pinned, np.int32, 1)
-        self.expert_offsets[-1:].get(out=host, blocking=False)
-        cupy.cuda.get_current_stream().synchronize()
-        return int(host[0])
+        return self.row_count.wait()
 
     def dispatch(self, x, topk_idx, input_error: BaseException | None = None) -> Dispatched:
         """Dispatch and wait for it, raising as DirectDispatcher.dispatch does."""
         self.enqueue(x, topk_idx, rejected=input_error is not None)
-        self.signals.raise_pending_or(self.rank, input_error)
-        M = self.rows_received()
-        return Dispatched(self.rows[:M], self.expert_offsets.copy(), self.src_info[:M].copy(), M)
+        return result.take(self, self.rank, input_error, cupy.cuda.get_current_stream().ptr)
 
     # ---- combine -------------------------------------------------------------------------
     def combine(self, C: cupy.ndarray | None, T: int, recv: cupy.ndarray) -> None:

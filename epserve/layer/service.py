@@ -44,10 +44,11 @@ from epserve.comm.signals import SignalBlock
 from epserve.comm.topology import gather_node_layout
 from epserve.config import MoEConfig, check_agreement
 from epserve.dispatch.device_plan import DevicePlan
-from epserve.dispatch.direct import DirectDispatcher, Dispatched
+from epserve.dispatch.direct import DirectDispatcher
 from epserve.dispatch.host import Dispatcher
 from epserve.dispatch.host_plan import check_recv_capacity, count_recv_rows, plan_dispatch
 from epserve.dispatch.nccl import NcclDispatcher
+from epserve.dispatch.result import Dispatched
 from epserve.errors import ConfigError, EPServeError, PeerTimeoutError
 from epserve.ffn import fp8_stage, gemm, tiles
 from epserve.ffn.fp8_stage import FP8Buffers
