@@ -11,12 +11,15 @@ from epserve.runtime.kernel_structs import i32, u64
 from epserve.runtime.launch import pointer, sm_count
 
 
+COMBINE_ARM_THREADS = 1024  # kCombineArmThreads in cuda/comm/combine.cu
+
+
 def combine_arm_spec(topk_idx, T: int, k: int, experts_per_rank: int, world: int, units_per_slot: int,
                      expected_ptr: int, status=None) -> tuple:
     """expected[s] += units of this call's slots owned by rank s (expected: per-sender array),
     unless the call status says the dispatch verdict stopped the call."""
     fn = kernels.function("combine", "epserve_combine_arm")
-    return (fn, (1,), (256,), (pointer(topk_idx), i32(T), i32(k), i32(experts_per_rank), i32(world),
+    return (fn, (1,), (COMBINE_ARM_THREADS,), (pointer(topk_idx), i32(T), i32(k), i32(experts_per_rank), i32(world),
                                i32(units_per_slot), u64(expected_ptr), pointer(status)), 0)
 
 
