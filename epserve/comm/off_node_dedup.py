@@ -149,6 +149,11 @@ class DedupRows:
         p = self.plan
         self._offsets = (np.int64(p.block_bytes), np.int64(p.index_offset), np.int64(p.meta_offset))
 
+    @property
+    def staging_ptr(self) -> int:
+        """The packed node blocks this rank sends (launch/jobs/dedup_checks.py reads them back)."""
+        return int(self._staging.ptr)
+
     def rows_group(self):
         """The packed blocks' carrier group (without the stamps)."""
         return self.plan.rows_group(self._staging, int(self._area.ptr))

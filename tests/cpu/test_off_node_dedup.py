@@ -302,3 +302,68 @@ def test_a_deduplicating_off_node_goes_without_the_garbage_collector(monkeypatch
 
 def test_the_model_module_needs_no_gpu():
     assert not hasattr(dedup_model, "cupy")
+
+
+# ---- the check job's read-back of the packed blocks ---------------------------------------------
+
+def load_dedup_checks():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    jobs = Path(__file__).resolve().parents[2] / "launch" / "jobs"
+    spec = importlib.util.spec_from_file_location("dedup_checks", jobs / "dedup_checks.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("dedup_checks", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_check_jobs_read_back_finds_a_wrong_packing(monkeypatch):
+    """launch/jobs/dedup_checks.py on a made-up device memory (a host arena): a packing made as
+    the kernels make it passes; a wrong index, a wrong row or wrong routing is reported."""
+    checks = load_dedup_checks()
+    W, R, rank, base = 8, 2, 3, 1 << 20
+    plan = OffNodePlan(NodeLayout(W, R), rank, E, K, H, H, T)
+    dplan = DedupPlan(RelayPlan(plan))
+    row, meta_len = H * 2, plan.meta_len
+    packed_at = base + plan.dispatch_staging_bytes
+    mem = np.zeros(plan.dispatch_staging_bytes + dplan.blocks_bytes, np.uint8)
+    rng = np.random.default_rng(11)
+    idx = routing(rng, T, W)
+    staged = staged_tokens(idx, E, W)
+    fields = plan.dispatch_staging(base)
+    x = rng.integers(0, 256, (T, row)).astype(np.uint8)
+    for c in dplan.relay.other_nodes:
+        tokens_of = staged[c * R:(c + 1) * R]
+        model = pack_node(tokens_of, T)
+        blk = packed_at - base + dplan.relay.other_index(c, dplan.relay.node) * dplan.block_bytes
+        for q, tokens in enumerate(tokens_of):
+            d, n = c * R + q, len(tokens)
+            at = fields["off_blocks"] - base + plan.block(d) * fields["off_block_bytes"]
+            mem[at:at + n * row] = x[tokens].reshape(-1)
+            meta = rng.integers(-1, 5, (n, meta_len)).astype(np.int32)
+            meta[:, 0] = tokens
+            mem[at + T * row:at + T * row + meta.nbytes] = meta.view(np.uint8).reshape(-1)
+            i = blk + dplan.index_offset + q * T * 4
+            mem[i:i + n * 4] = model.index[q].view(np.uint8)
+            m = blk + dplan.meta_offset + q * T * meta_len * 4
+            mem[m:m + meta.nbytes] = meta.view(np.uint8).reshape(-1)
+        for p, (q, pos) in enumerate(model.sources):
+            mem[blk + p * row:blk + (p + 1) * row] = x[tokens_of[q][pos]]
+    monkeypatch.setattr(checks, "device_bytes", lambda ptr, n: mem[ptr - base:ptr - base + n].copy())
+    monkeypatch.setattr(checks, "cupy", types.SimpleNamespace(
+        cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(deviceSynchronize=lambda: None))))
+    off = types.SimpleNamespace(plan=plan, dispatch_staging=lambda: fields,
+                                relay=types.SimpleNamespace(dedup=types.SimpleNamespace(plan=dplan,
+                                                                                       staging_ptr=packed_at)))
+    svc = types.SimpleNamespace(off_node=off)
+    assert checks.packed_blocks_checks(svc, idx, E) == []
+    first = packed_at - base  # node 0's packed block (rank 3 is on node 1)
+    for where, what in ((first + dplan.index_offset, "packed index"), (first, "packed row"),
+                        (first + dplan.meta_offset + 4, "packed routing")):
+        saved = mem[where:where + 4].copy()
+        mem[where:where + 4] ^= 0x5A
+        assert any(what in f for f in checks.packed_blocks_checks(svc, idx, E)), what
+        mem[where:where + 4] = saved
+    assert "saved" in checks.rail_bytes_line(svc, [idx] * W, E)
