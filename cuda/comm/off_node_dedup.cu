@@ -1,5 +1,5 @@
 // The relay route with each token row sent once per destination node (EPSERVE_OFFNODE_DEDUP=1;
-// docs/design.md, "Across nodes", "Relay through the rail peer"; epserve/comm/off_node_dedup.py).
+// docs/design.md, "Across nodes", its relay and deduplication parts; epserve/comm/off_node_dedup.py).
 // Without it the rail transfer carries R staging blocks per node, one per destination rank, so a
 // token bound for several ranks of one node crosses the network once per rank. With it, as
 // DeepEP's internode dispatch does, each such token crosses once and the rail peer fans it out.

@@ -1,5 +1,5 @@
 """The relay route with each token row sent once per destination node (issue 15; docs/design.md,
-"Across nodes", "Relay through the rail peer"), opt-in with EPSERVE_OFFNODE_DEDUP=1 (agreed at
+"Across nodes", its relay and deduplication parts), opt-in with EPSERVE_OFFNODE_DEDUP=1 (agreed at
 setup like the other EPSERVE_OFFNODE_* settings; ignored on one node).
 
 The relay (epserve/comm/off_node_relay.py) sends each rail peer this rank's R staging blocks for
