@@ -36,6 +36,7 @@
 // combines (epochs[0], epochs[1]), which only these kernels advance. A wait lane stops at its
 // first timeout, so a call fails within one bound, not one per source.
 #include "comm/dispatch_config.cuh"
+#include "comm/relay_copy.cuh"
 #include "common/errors.cuh"
 #include "common/nodes.cuh"
 #include "common/ptx.cuh"
@@ -48,31 +49,6 @@ namespace {
 
 constexpr int kRelayThreads = 256;
 
-// Node c's index among the nodes other than node a (the order of the carrier's groups and of
-// the relay areas' blocks).
-__device__ __forceinline__ int other_node_index(int c, int a) { return c < a ? c : c - 1; }
-
-// One warp copies n16 16-byte chunks that another process or the carrier wrote (loads skip L1).
-__device__ __forceinline__ void warp_copy16(uint4* dst, const uint4* src, long long n16, int lane) {
-  for (long long c = lane; c < n16; c += 32) st_v4(dst + c, ld_cg_v4(src + c));
-}
-
-// Every thread fenced its stores at system scope before; true in the one CTA that counts last
-// (the counter is left zero for the next launch).
-__device__ bool last_block_done(unsigned* done) {
-  __shared__ int last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    last = atomicAdd(done, 1u) == gridDim.x - 1;
-    if (last) {
-      __threadfence_system();
-      *done = 0;
-    }
-  }
-  __syncthreads();
-  return last;
-}
-
 // Thread q < R: wait (bounded) until node rank q's counter `counters[first + q]` has reached
 // `target`; the rank itself needs no wait.
 __device__ __forceinline__ bool node_rank_reached(const unsigned long long* counters, int q, int me, int first,
@@ -83,6 +59,24 @@ __device__ __forceinline__ bool node_rank_reached(const unsigned long long* coun
   if (!ok) record_error(error, code, first + q, static_cast<int>(target));
   return ok;
 }
+
+// The relay area of the per-rank relay: block (ci R + q) is what other node ci's rail source
+// staged for node rank q (token rows, then their routing), block_bytes apart.
+struct RankBlocks {
+  const unsigned char* relay;
+  long long block_bytes;
+  int R;
+  __device__ __forceinline__ const unsigned char* block(int ci, int q) const {
+    return relay + (static_cast<long long>(ci) * R + q) * block_bytes;
+  }
+  __device__ __forceinline__ void copy_row(uint4* dst, const unsigned char* src, int, long long i,
+                                           long long row_bytes, int lane) const {
+    warp_copy16(dst, reinterpret_cast<const uint4*>(src + i * row_bytes), row_bytes / 16, lane);
+  }
+  __device__ __forceinline__ const int* meta(const unsigned char* src, int, long long tokens_bytes) const {
+    return reinterpret_cast<const int*>(src + tokens_bytes);
+  }
+};
 
 }  // namespace
 
@@ -128,40 +122,8 @@ extern "C" __global__ void __launch_bounds__(kRelayThreads) epserve_relay_count_
 extern "C" __global__ void __launch_bounds__(kRelayThreads)
     epserve_relay_token_blocks(const DispatchConfig cfg, const unsigned char* __restrict__ relay, long long block_bytes,
                                unsigned long long* const* __restrict__ relay_arrive, unsigned* __restrict__ done) {
-  const int R = cfg.ranks_per_node, W = cfg.world, N = W / R, me = cfg.rank - cfg.node_first, a = cfg.rank / R;
-  const int E = cfg.num_experts, row = E + W + 1, meta_len = 1 + 2 * cfg.top_k;
-  const bool copy = !call_failed(cfg.status);  // calls the verdict stopped count, copying nothing
-  const bool count = copy || stopped_by_verdict(cfg.status);
-  if (copy) {
-    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    const long long warp = static_cast<long long>(blockIdx.x) * warps + (threadIdx.x >> 5),
-                    nwarps = static_cast<long long>(gridDim.x) * warps;
-    const long long thread = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x,
-                    nthreads = static_cast<long long>(gridDim.x) * blockDim.x;
-    const long long row_bytes = 2LL * cfg.hidden, tokens_bytes = cfg.max_tokens * row_bytes;
-    const int* table = cfg.count_table[me];
-    for (int c = 0; c < N; ++c) {
-      if (c == a) continue;
-      const int s = c * R + me, ci = other_node_index(c, a);
-      for (int q = 0; q < R; ++q) {
-        const long long n = min(max(__ldcg(table + s * row + E + cfg.node_first + q), 0), cfg.max_tokens);
-        const unsigned char* src = relay + (static_cast<long long>(ci) * R + q) * block_bytes;
-        unsigned char* tokens = reinterpret_cast<unsigned char*>(cfg.tokens[q]) + s * tokens_bytes;
-        for (long long i = warp; i < n; i += nwarps)
-          warp_copy16(reinterpret_cast<uint4*>(tokens + i * row_bytes),
-                      reinterpret_cast<const uint4*>(src + i * row_bytes), row_bytes / 16, lane);
-        const int* meta_src = reinterpret_cast<const int*>(src + tokens_bytes);
-        int* meta = cfg.meta[q] + static_cast<long long>(s) * cfg.max_tokens * meta_len;
-        for (long long i = thread; i < n * meta_len; i += nthreads) meta[i] = __ldcg(meta_src + i);
-      }
-    }
-  }
-  fence_acq_rel_sys();
-  if (last_block_done(done) && count)
-    for (int i = threadIdx.x; i < N * R; i += blockDim.x) {
-      const int c = i / R, q = i % R;
-      if (c != a) red_release_sys_add(relay_arrive[q] + c * R + me, 1ull);
-    }
+  relay_into_token_regions(cfg, RankBlocks{relay, block_bytes, cfg.ranks_per_node},
+                           relay_arrive, done);
 }
 
 // One warp. my_relay_arrive: this rank's relay counters [W], by source; epochs[0]: the relayed

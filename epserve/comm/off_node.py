@@ -243,7 +243,8 @@ class OffNode:
     relay = None  # off_node_relay.Relay with EPSERVE_OFFNODE_ROUTE=relay
 
     def __init__(self, plan: OffNodePlan, carrier, signals, wait_timeout_s: float, sizes: str = "capacity",
-                 max_recv_rows: int = 0, overlap_free_sms: int | None = None, route: str = "direct", group=None):
+                 max_recv_rows: int = 0, overlap_free_sms: int | None = None, route: str = "direct", group=None,
+                 dedup: bool = False):
         self.plan, self.carrier, self.signals = plan, carrier, signals
         self.rank, self.world = plan.rank, plan.world
         self.timeout_ns = int(wait_timeout_s * 1e9)
@@ -271,11 +272,17 @@ class OffNode:
         self.overlap = None if overlap_free_sms is None else off_node_overlap.OverlappedSend(self, overlap_free_sms)
         # EPSERVE_OFFNODE_ROUTE=relay: along the rails, then over NVLink (epserve/comm/off_node_relay.py)
         self.route = route
-        self.relay = Relay(self, group) if route == "relay" else None
+        # (EPSERVE_OFFNODE_DEDUP=1, relay only: each token row once per destination node)
+        self.relay = Relay(self, group, dedup) if route == "relay" else None
 
     @property
     def host_sizes(self) -> bool:
         return self.sizes == "host"
+
+    @property
+    def dedup(self) -> bool:
+        """Whether the relay sends each token row once per destination node (EPSERVE_OFFNODE_DEDUP=1)."""
+        return self.relay is not None and self.relay.dedup is not None
 
     def bind_dispatch(self, count_table: int, tokens: int, meta: int, slot_rank) -> None:
         """The direct dispatcher's count table, token regions and routing (addresses) and
@@ -505,11 +512,11 @@ def agree_carrier(comm, layout: NodeLayout) -> str | None:
 def make_off_node(comm, group, signals, layout: NodeLayout, carrier: str | None, *, num_experts: int, top_k: int,
                   hidden: int, combine_hidden: int, max_tokens: int, wait_timeout_s: float, nccl_comm,
                   shared_gpu: bool, sizes: str | None = None, max_recv_rows: int = 0,
-                  overlap_free_sms: int | None = None, route: str | None = None):
+                  overlap_free_sms: int | None = None, route: str | None = None, dedup: bool = False):
     """Collective, at setup: None on one node (carrier None), else this rank's OffNode with
     that carrier (agree_carrier), sizes (off_node_sizes.agree_sizes; None: "capacity"),
-    overlap (off_node_overlap.agree_overlap: the SMs GEMM 2 leaves free, or None) and route
-    (off_node_relay.agree_route; None: "direct");
+    overlap (off_node_overlap.agree_overlap: the SMs GEMM 2 leaves free, or None), route
+    (off_node_relay.agree_route; None: "direct") and dedup (off_node_dedup.agree_dedup);
     ConfigError on every rank when it cannot run here."""
     import socket
 
@@ -522,4 +529,4 @@ def make_off_node(comm, group, signals, layout: NodeLayout, carrier: str | None,
                         error_ptr=signals.local(sig.ERROR), timeout_ns=int(wait_timeout_s * 1e9))
     plan = OffNodePlan(layout, comm.Get_rank(), num_experts, top_k, hidden, combine_hidden, max_tokens)
     return OffNode(plan, impl, signals, wait_timeout_s, sizes or "capacity", max_recv_rows, overlap_free_sms,
-                   route or "direct", group)
+                   route or "direct", group, dedup)

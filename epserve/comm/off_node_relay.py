@@ -39,6 +39,9 @@ transfer carries its R blocks' routed rows only (R messages to the one peer; rel
 the combine returns compact blocks. The NVLink forwarding moves the routed rows either way.
 With EPSERVE_OFFNODE_OVERLAP=1 (epserve/comm/off_node_overlap.py) the combine's relay runs per
 destination node on the side stream, each node's rows relayed as soon as GEMM 2 has staged them.
+With EPSERVE_OFFNODE_DEDUP=1 (epserve/comm/off_node_dedup.py) the rail transfer carries each token
+row once per destination node instead of once per destination rank, and the rail peer fans it
+out into the same token regions.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ import numpy as np
 
 from epserve.comm import signals as sig
 from epserve.comm.carriers import Recv, Send
+from epserve.comm.off_node_dedup import DedupRows
 from epserve.comm.off_node_overlap import groups_by_node
 from epserve.comm.off_node_sizes import clamp, count_row
 from epserve.comm.off_node_stamps import COMBINE, ROWS
@@ -216,12 +220,15 @@ class Relay:
     the launches around the carrier. Made collectively at setup by OffNode (same order on every
     rank)."""
 
-    def __init__(self, off, group):
+    dedup = None  # off_node_dedup.DedupRows with EPSERVE_OFFNODE_DEDUP=1
+
+    def __init__(self, off, group, dedup: bool = False):
         # weakly: off holds this Relay, and a cycle would leave off's carrier (the NCCL
         # communicator) to the cyclic garbage collector (tests/cpu/test_off_node_teardown.py)
         self.off, self.plan = weakref.proxy(off), RelayPlan(off.plan)
         W, node = off.world, group.node_ranks
-        self._dispatch_area = cupy.cuda.alloc(max(16, self.plan.dispatch_relay_bytes))
+        # with deduplication the rail peers' packed node blocks land in DedupRows' own area instead
+        self._dispatch_area = cupy.cuda.alloc(max(16, 0 if dedup else self.plan.dispatch_relay_bytes))
         # the combine relay area: the carrier's send side and written by this node's ranks
         self._combine_area = off.carrier.node_staging(self.plan.combine_relay_bytes)
         # counters u64, by rank: [W] dispatch rows relayed to this rank, by source; [nodes][W]
@@ -239,6 +246,8 @@ class Relay:
         self._relayed = cupy.zeros(2, np.int32)  # the call's verdict on what this rank relays (a call status)
         self._sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._groups = {}
+        # EPSERVE_OFFNODE_DEDUP=1: each token row once per destination node (off_node_dedup.py)
+        self.dedup = DedupRows(off.carrier, self.plan) if dedup else None
         cupy.cuda.runtime.deviceSynchronize()
         group.comm.Barrier()  # every counter is zero before any rank counts into it
 
@@ -248,7 +257,10 @@ class Relay:
         return self._groups[key]
 
     def rows_group(self, staging, sizes: RelaySizes | None = None):
-        """The token blocks' group (also for launch/jobs/time_off_node.py)."""
+        """The token blocks' group (also for launch/jobs/time_off_node.py); with deduplication the
+        packed node blocks' (capacity sizes only: routed sizes are refused with it at setup)."""
+        if self.dedup is not None:
+            return self.dedup.rows_group()
         return self.plan.rows_group(staging, int(self._dispatch_area.ptr), sizes)
 
     def combine_group(self, landing: int, sizes: RelaySizes | None = None):
@@ -282,17 +294,22 @@ class Relay:
     def exchange_rows(self, staging, cfg, status, expert_offsets, experts_per_rank: int,
                       sizes: RelaySizes | None = None) -> None:
         """After the move: the token blocks along the rails (whole, or with `sizes` the routed
-        rows), into the node's token regions, and this rank's wait for every other node's rows
-        (before the off-node expand)."""
+        rows; with deduplication the packed node blocks), into the node's token regions, and this
+        rank's wait for every other node's rows (before the off-node expand)."""
         area = int(self._dispatch_area.ptr)
         group = self.stamped_rows_group(staging, sizes) if sizes is not None else \
             self._group(("rows", area), lambda: self.stamped_rows_group(staging))
+        if self.dedup is not None:  # each token row once per destination node, into the packed blocks
+            self.dedup.pack(cfg)
         # a rail source whose rows are not this call's fails the call here: nothing is relayed,
         # and the node ranks waiting for them fail in turn (code 13)
         self.off.stamps.exchange(self.off.carrier, ROWS, *group, status=status, valid=status)
-        fn = kernels.function("off_node_relay", "epserve_relay_token_blocks")
-        fn((self._sms,), (RELAY_THREADS,), (cfg, u64(area), np.int64(self.plan.block_bytes), self._dispatch_arrive,
-                                            self._done[0:1]))
+        if self.dedup is not None:
+            self.dedup.relay(cfg, self._dispatch_arrive, self._done[0:1])
+        else:
+            fn = kernels.function("off_node_relay", "epserve_relay_token_blocks")
+            fn((self._sms,), (RELAY_THREADS,), (cfg, u64(area), np.int64(self.plan.block_bytes),
+                                                self._dispatch_arrive, self._done[0:1]))
         fn = kernels.function("off_node_relay", "epserve_relay_rows_wait")
         fn((1,), (32,), (cfg, u64(self._counters.ptr), self._epochs, expert_offsets, i32(experts_per_rank)))
 

@@ -36,6 +36,7 @@ from epserve.comm import mpi as ep_comm
 from epserve.comm import signals as sig
 from epserve.comm.nccl import gpus_shared, make_nccl
 from epserve.comm.off_node import agree_carrier, make_off_node
+from epserve.comm.off_node_dedup import agree_dedup
 from epserve.comm.off_node_overlap import OVERLAP_ENV, agree_overlap
 from epserve.comm.off_node_relay import agree_route
 from epserve.comm.off_node_sizes import SIZES_ENV, agree_sizes
@@ -120,8 +121,10 @@ class EPService:
         placement is unusable (epserve/comm/topology.py), the grouped GEMM's settings
         (EPSERVE_GEMM, EPSERVE_GEMM2_SPLIT_K) are unknown or differ, or, across nodes, the off-node carrier
         (EPSERVE_OFFNODE_CARRIER), sizes (EPSERVE_OFFNODE_SIZES), overlap
-        (EPSERVE_OFFNODE_OVERLAP, EPSERVE_OFFNODE_OVERLAP_SMS) or route (EPSERVE_OFFNODE_ROUTE) are
-        unknown or differ between ranks, also before any CUDA call, or the carrier cannot run here (nccl where ranks share a
+        (EPSERVE_OFFNODE_OVERLAP, EPSERVE_OFFNODE_OVERLAP_SMS), route (EPSERVE_OFFNODE_ROUTE) or
+        deduplication (EPSERVE_OFFNODE_DEDUP) are unknown or differ between ranks, or deduplication is
+        asked for where it does not apply (without the relay, with routed sizes or the overlap), also
+        before any CUDA call, or the carrier cannot run here (nccl where ranks share a
         GPU); RankFailedError naming each
         rank that has no usable GPU or failed to allocate or map a buffer. MPI must be
         running: started without mpirun/mpiexec, the communicator has one rank.
@@ -141,6 +144,9 @@ class EPService:
         self._offnode_overlap = agree_overlap(self.comm, self.nodes.nodes)  # across nodes: free SMs, or None
         # across nodes: "direct" or "relay" (along the rails, then over NVLink)
         self._offnode_route = agree_route(self.comm, self.nodes.nodes)
+        # across nodes, the relay only: each token row once per destination node (or ConfigError)
+        self._offnode_dedup = agree_dedup(self.comm, self.nodes.nodes, self._offnode_route, self._offnode_sizes,
+                                          self._offnode_overlap)
         # The grouped GEMM's settings (EPSERVE_GEMM, EPSERVE_GEMM2_SPLIT_K): a name that does not
         # exist would otherwise raise mid-forward, after the dispatch has moved rows.
         ep_comm.agree_choice(self.comm, gemm.gemm_impl, "EPSERVE_GEMM", "grouped GEMMs")
@@ -165,7 +171,8 @@ class EPService:
                                       max_tokens=c.max_tokens_per_rank, wait_timeout_s=c.wait_timeout_s,
                                       nccl_comm=self.nccl, shared_gpu=self.shared_gpu,
                                       sizes=self._offnode_sizes, max_recv_rows=c.recv_rows_capacity,
-                                      overlap_free_sms=self._offnode_overlap, route=self._offnode_route)
+                                      overlap_free_sms=self._offnode_overlap, route=self._offnode_route,
+                                      dedup=self._offnode_dedup)
         self.direct = DirectDispatcher(self.group, self.signals, num_experts=c.num_experts, top_k=c.top_k,
                                        hidden=width, max_tokens=c.max_tokens_per_rank,
                                        max_recv_rows=c.recv_rows_capacity, wait_timeout_s=c.wait_timeout_s, dtype=BF16,

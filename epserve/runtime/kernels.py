@@ -19,6 +19,7 @@ DISPATCH_SOURCE = "comm/dispatch.cu"
 STAGING_SOURCE = "comm/staging.cu"  # across nodes: around the off-node carrier, and the IPC test carrier
 OFF_NODE_OVERLAP_SOURCE = "comm/off_node_overlap.cu"  # across nodes: the combine's send under GEMM 2
 OFF_NODE_RELAY_SOURCE = "comm/off_node_relay.cu"  # across nodes: along the rails, then over NVLink
+OFF_NODE_DEDUP_SOURCE = "comm/off_node_dedup.cu"  # the relay with each token once per node (EPSERVE_OFFNODE_DEDUP=1)
 # Across nodes with EPSERVE_OFFNODE_OVERLAP=1: GEMM 2's sink also counts the rows it staged for
 # each off-node home, and the tiles of m-tiles holding such rows go first (a permutation).
 OVERLAP = {"EPSERVE_SINK": "EpPeerSinkCountingOffNode", "EPSERVE_GEMM_OFFNODE_FIRST": 1}
@@ -57,6 +58,7 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     "staging": (STAGING_SOURCE, {}),
     "off_node_overlap": (OFF_NODE_OVERLAP_SOURCE, {}),
     "off_node_relay": (OFF_NODE_RELAY_SOURCE, {}),
+    "off_node_dedup": (OFF_NODE_DEDUP_SOURCE, {}),
 }
 
 

@@ -55,7 +55,8 @@ def main():
             fp8_weights = [quantized_weights(wt.w13, wt.w2) for wt in weights]
         info["transport"] = svc.transport
         # across nodes (EPSERVE_RANKS_PER_NODE, tests/gpu/test_across_nodes.py): the off-node route
-        info.update(nodes=svc.nodes.nodes, route=svc.off_node and svc.off_node.route)
+        info.update(nodes=svc.nodes.nodes, route=svc.off_node and svc.off_node.route,
+                    dedup=bool(svc.off_node and svc.off_node.dedup))
         graph = svc.capture(tokens[rank], w13, w2)
         for n in range(args.replays):
             inputs = layer_inputs(args.seed + 1 + n, tokens, E, K, H, I, unused=0.1 * (n % 3), with_weights=False)

@@ -21,6 +21,11 @@ runs on a side stream under GEMM 2's overlap build: the same bits are required, 
 call must have gone that way, GEMM 2's tile order must be the model's
 (epserve/ffn/overlap_gemm.py), and capture() must be refused.
 
+With EPSERVE_OFFNODE_ROUTE=relay the job prints the rail transfers' bytes of each shape's first
+call, one row per destination rank against one per destination node; with EPSERVE_OFFNODE_DEDUP=1
+too (the relay sends each token row once per destination node) the same bits are required, and
+the packed node blocks of the latest dispatch must be the NumPy model's (launch/jobs/dedup_checks.py).
+
 With EPSERVE_OFFNODE_SIZES=host (set in the environment, like the carrier) the multi-node
 service moves the routed rows only (docs/design.md, "Across nodes"): the same bits are
 required, the sizes the host read must be the routing's (token rows to each off-node rank,
@@ -47,7 +52,8 @@ import sys
 import cupy
 import numpy as np
 from check_service import SHAPES, bad_inputs, experts_for, record, tokens_for  # siblings of this script
-from job_report import run_cases
+from dedup_checks import packed_blocks_checks, rail_bytes_line
+from job_report import emit, run_cases
 
 from epserve import EPService, MoEConfig
 from epserve.check.reference import reference_layer, rel_error
@@ -127,10 +133,16 @@ def run_shape(comm, name, H, I, E, k, calls, opts, seed, ranks_per_node, referen
         info.update(nodes=svc.nodes.nodes, carrier=svc.off_node and svc.off_node.carrier.name,
                     transport=svc.transport, sizes=svc.off_node and svc.off_node.sizes,
                     overlap=bool(svc.off_node and svc.off_node.overlap),
-                    route=svc.off_node and svc.off_node.route)
+                    route=svc.off_node and svc.off_node.route, dedup=bool(svc.off_node and svc.off_node.dedup))
         if svc.off_node is None:
             return [f"EPSERVE_RANKS_PER_NODE={ranks_per_node} gave one node"], info
         many, first = run_calls(svc, comm, calls, E, k, H, I, opts, seed)
+        if svc.off_node.dedup:  # the packed blocks of the latest dispatch (the burst's last call)
+            failures += packed_blocks_checks(svc, many[-1]["inputs"][comm.Get_rank()].topk_idx, E)
+        if svc.off_node.relay is not None:  # what deduplication saves on the rails (or would)
+            info["rail_bytes"] = rail_bytes_line(svc, [i.topk_idx for i in many[0]["inputs"]], E)
+            if comm.Get_rank() == 0:
+                emit(f"# {name}, call 0, the rail transfers: {info['rail_bytes']}")
         for n, (a, b) in enumerate(zip(one, many)):
             for field in ("fused", "unfused", "recv_fused", "recv_unfused"):
                 if not np.array_equal(a[field], b[field]):

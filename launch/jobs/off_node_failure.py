@@ -3,7 +3,7 @@ sends must raise, none may return rows of another call, none may hang (docs/desi
 "Across nodes", "What a failed sender sends"). Run under the launcher, 4 ranks as 2 nodes of 2
 on the IPC test carrier (ranks may share one GPU):
 
-    EPSERVE_OFFNODE_CARRIER=ipc [EPSERVE_OFFNODE_ROUTE=relay] python launch/run.py -n 4 \\
+    EPSERVE_OFFNODE_CARRIER=ipc [EPSERVE_OFFNODE_ROUTE=relay [EPSERVE_OFFNODE_DEDUP=1]] python launch/run.py -n 4 \\
         --share-gpu --timeout 240 -- python -m mpi4py launch/jobs/off_node_failure.py {dispatch|combine}
 
 Every rank warms up with two fused forwards on other inputs. Then, in one fused forward
@@ -88,7 +88,8 @@ def main():
     cfg = MoEConfig(E, TOP_K, HIDDEN, INTERMEDIATE, TOKENS, world_size=world, wait_timeout_s=WAIT_TIMEOUT_S)
     svc = EPService(cfg, comm)
     record = {"rank": rank, "stage": stage, "nodes": svc.nodes.nodes,
-              "route": svc.off_node and svc.off_node.route, "failures": []}
+              "route": svc.off_node and svc.off_node.route, "dedup": bool(svc.off_node and svc.off_node.dedup),
+              "failures": []}
     if svc.off_node is None or world != 4 or svc.nodes.nodes != 2:
         record["failures"].append(f"needs 4 ranks as 2 nodes of 2, got {world} ranks as {svc.nodes.nodes} nodes")
     else:

@@ -229,13 +229,13 @@ def param_sizes(ptx: str, kernel: str) -> list[int]:
     return sizes(ptx, kernel)
 
 
-def test_launches_match_their_kernels(monkeypatch, tmp_path):
+def bare_relay(monkeypatch, tmp_path, modules=("off_node_relay", "staging")):
+    """A Relay of rank 3 of four nodes of 2, made without a GPU: its kernel calls are kept
+    (Called), its carrier groups listed in `exchanges`; and the PTX of `modules`."""
     from test_dispatch_launch_args import fake_stamps
 
-    from epserve.runtime.kernel_structs import DISPATCH_CONFIG, PEER_SEND_CONFIG
-
     monkeypatch.setenv("EPSERVE_CACHE_DIR", str(tmp_path))
-    ptx = {m: build.compile_source(*kernels.VARIANTS[m]).ptx.read_text() for m in ("off_node_relay", "staging")}
+    ptx = {m: build.compile_source(*kernels.VARIANTS[m]).ptx.read_text() for m in modules}
     monkeypatch.setattr(relay_mod.kernels, "function", lambda module, name: Called(name))
     monkeypatch.setattr(relay_mod, "i32", lambda v: np.full(1, v, np.int32))
     monkeypatch.setattr(relay_mod, "u64", lambda v: np.full(1, v, np.uint64))
@@ -252,6 +252,13 @@ def test_launches_match_their_kernels(monkeypatch, tmp_path):
     r._combine_area, r._counters = Staging(), types.SimpleNamespace(ptr=0x4000)
     r._dispatch_arrive = r._combine_arrive = r._combine_areas = r._epochs = r._done = Ptr()
     r._area_ok = r._relayed = Ptr()
+    return r, off, exchanges, ptx
+
+
+def test_launches_match_their_kernels(monkeypatch, tmp_path):
+    from epserve.runtime.kernel_structs import DISPATCH_CONFIG, PEER_SEND_CONFIG
+
+    r, off, exchanges, ptx = bare_relay(monkeypatch, tmp_path)
     dcfg, scfg = np.zeros(1, DISPATCH_CONFIG), np.zeros(1, PEER_SEND_CONFIG)
     r.exchange_counts(Staging(), 0x5000, dcfg)
     r.exchange_rows(Staging(), dcfg, Ptr(), Ptr(), E // 8)

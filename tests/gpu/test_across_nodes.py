@@ -28,7 +28,7 @@ def explain(proc):
 
 
 def run_off_node(ranks: int, ranks_per_node: int, carrier: str, share_gpu: bool, shapes: int | None = None,
-                 sizes: str | None = None, overlap: bool = False, route: str | None = None):
+                 sizes: str | None = None, overlap: bool = False, route: str | None = None, dedup: bool = False):
     cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "-n", str(ranks), "--timeout", "300"]
     cmd += ["--share-gpu"] if share_gpu else []
     cmd += ["--", sys.executable, "-m", "mpi4py", str(ROOT / "launch" / "jobs" / "check_off_node.py"),
@@ -39,6 +39,9 @@ def run_off_node(ranks: int, ranks_per_node: int, carrier: str, share_gpu: bool,
     env.pop("EPSERVE_OFFNODE_SIZES", None)
     env.pop("EPSERVE_OFFNODE_OVERLAP", None)
     env.pop("EPSERVE_OFFNODE_ROUTE", None)
+    env.pop("EPSERVE_OFFNODE_DEDUP", None)
+    if dedup:
+        env["EPSERVE_OFFNODE_DEDUP"] = "1"
     if route:
         env["EPSERVE_OFFNODE_ROUTE"] = route
     if sizes:
@@ -51,7 +54,8 @@ def run_off_node(ranks: int, ranks_per_node: int, carrier: str, share_gpu: bool,
     return proc, results, planned
 
 
-def check(proc, results, planned, ranks, carrier, nodes, sizes="capacity", overlap=False, route="direct"):
+def check(proc, results, planned, ranks, carrier, nodes, sizes="capacity", overlap=False, route="direct",
+          dedup=False):
     failures = [r for r in results if not r["ok"]]
     assert proc.returncode == 0 and not failures, explain(proc)
     assert planned and len(results) == ranks * planned[0], explain(proc)
@@ -59,6 +63,7 @@ def check(proc, results, planned, ranks, carrier, nodes, sizes="capacity", overl
     assert {r.get("sizes") for r in results} == {sizes}, results
     assert {r.get("overlap") for r in results} == {overlap}, results
     assert {r.get("route") for r in results} == {route}, results
+    assert {r.get("dedup") for r in results} == {dedup}, results
 
 
 # (ranks, ranks per node, carrier, all on one GPU)
@@ -169,14 +174,56 @@ def test_relay_under_gemm2_is_bitwise_the_one_node_run(ranks, ranks_per_node, si
     check(proc, results, planned, ranks, carrier, ranks // ranks_per_node, sizes=sizes, overlap=True, route="relay")
 
 
-def run_at_two_nodes_of_two(job: str, args: list, route: str, timeout: int):
+# (ranks, ranks per node, carrier, all on one GPU, service shapes), with EPSERVE_OFFNODE_ROUTE=relay and
+# EPSERVE_OFFNODE_DEDUP=1 (capacity blocks, the send after GEMM 2: what deduplication serves)
+RELAY_DEDUP_CASES = [
+    pytest.param(4, 2, "ipc", True, None, id="2-nodes-of-2-relay-dedup"),
+    pytest.param(8, 2, "ipc", True, 1, id="4-nodes-of-2-relay-dedup"),
+    pytest.param(8, 4, "ipc", True, 1, id="2-nodes-of-4-relay-dedup"),
+    pytest.param(4, 2, "ipc", False, None, id="2-nodes-of-2-relay-dedup-2-gpus"),
+    pytest.param(2, 1, "nccl", False, None, id="2-nodes-of-1-nccl-2-gpus-relay-dedup"),
+]
+
+
+@pytest.mark.parametrize("ranks,ranks_per_node,carrier,share_gpu,shapes", RELAY_DEDUP_CASES)
+def test_relay_with_each_token_once_per_node_is_bitwise_the_one_node_run(ranks, ranks_per_node, carrier, share_gpu,
+                                                                         shapes):
+    """EPSERVE_OFFNODE_DEDUP=1: the rail transfer carries each token row once per destination
+    node (a packed block, an index per node rank) and the rail peer fans it out; the same bits as
+    one node, fused and unfused, back-to-back dispatches included, the packed blocks the NumPy
+    model's, the bad inputs still stop every rank."""
+    if not share_gpu and gpu_count() < 2:
+        pytest.skip("needs two GPUs")
+    proc, results, planned = run_off_node(ranks, ranks_per_node, carrier, share_gpu, shapes=shapes, route="relay",
+                                          dedup=True)
+    check(proc, results, planned, ranks, carrier, ranks // ranks_per_node, route="relay", dedup=True)
+    assert all("rail_bytes" in r for r in results), results
+
+
+@pytest.mark.parametrize("route,sizes,message", [
+    pytest.param(None, None, "EPSERVE_OFFNODE_DEDUP=1 deduplicates the relay's rows per destination node",
+                 id="dedup-refused-direct-route"),
+    pytest.param("relay", "host", "EPSERVE_OFFNODE_DEDUP=1 serves the capacity blocks",
+                 id="dedup-refused-routed-sizes"),
+])
+def test_dedup_is_refused_where_it_does_not_apply(route, sizes, message):
+    """EPSERVE_OFFNODE_DEDUP=1 on the direct route, or with routed sizes: every rank refuses at setup."""
+    proc, results, _ = run_off_node(2, 1, "ipc", True, shapes=1, sizes=sizes, route=route, dedup=True)
+    assert proc.returncode != 0 or any(not r["ok"] for r in results), explain(proc)
+    assert message in proc.stdout + proc.stderr, explain(proc)
+
+
+def run_at_two_nodes_of_two(job: str, args: list, route: str, timeout: int, dedup: bool = False):
     """launch/jobs/<job> at 4 ranks as 2 nodes of 2 on one shared GPU (ipc carrier, capacity
-    blocks, no overlap) under the launcher's `timeout`: the process and each rank's record."""
+    blocks, no overlap; with `dedup` EPSERVE_OFFNODE_DEDUP=1) under the launcher's `timeout`:
+    the process and each rank's record."""
     cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "-n", "4", "--timeout", str(timeout), "--share-gpu", "--",
            sys.executable, "-m", "mpi4py", str(ROOT / "launch" / "jobs" / job), *args]
     env = dict(os.environ, EPSERVE_OFFNODE_CARRIER="ipc", EPSERVE_RANKS_PER_NODE="2", EPSERVE_OFFNODE_ROUTE=route)
-    for name in ("EPSERVE_OFFNODE_SIZES", "EPSERVE_OFFNODE_OVERLAP"):
+    for name in ("EPSERVE_OFFNODE_SIZES", "EPSERVE_OFFNODE_OVERLAP", "EPSERVE_OFFNODE_DEDUP"):
         env.pop(name, None)
+    if dedup:
+        env["EPSERVE_OFFNODE_DEDUP"] = "1"
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 60, cwd=ROOT, env=env)
     results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and len(results) == 4 and all(r["ok"] for r in results), explain(proc)
@@ -205,6 +252,20 @@ def test_a_rank_failing_mid_call_fails_the_ranks_that_read_its_rows(route, stage
     assert {(r["nodes"], r["route"], r["stage"]) for r in results} == {(2, route, stage)}, results
 
 
+def test_forward_captured_with_dedup_replays_bitwise():
+    """As above with the relay and EPSERVE_OFFNODE_DEDUP=1 (the packing launches go into the graph)."""
+    results = run_at_two_nodes_of_two("check_graph.py", ["--replays", "12"], "relay", timeout=300, dedup=True)
+    assert {(r["nodes"], r["route"], r["dedup"], r["replays"]) for r in results} == {(2, "relay", True, 12)}, results
+
+
+@pytest.mark.parametrize("stage", ["dispatch", "combine"])
+def test_a_rank_failing_mid_call_fails_its_readers_with_dedup(stage):
+    """As above with the relay and EPSERVE_OFFNODE_DEDUP=1: a failed rank packs nothing and its
+    stamp says so, so the other node's ranks raise instead of fanning out an earlier call's rows."""
+    results = run_at_two_nodes_of_two("off_node_failure.py", [stage], "relay", timeout=240, dedup=True)
+    assert {(r["nodes"], r["route"], r["dedup"], r["stage"]) for r in results} == {(2, "relay", True, stage)}, results
+
+
 @pytest.mark.parametrize("route,ranks,ranks_per_node", [("direct", 2, 1), ("relay", 4, 2)])
 def test_timing_job_runs_on_one_gpu(route, ranks, ranks_per_node):
     """launch/jobs/time_off_node.py with the ipc carrier on one shared GPU: the table, every
@@ -216,6 +277,7 @@ def test_timing_job_runs_on_one_gpu(route, ranks, ranks_per_node):
     env = dict(os.environ, EPSERVE_OFFNODE_CARRIER="ipc", EPSERVE_RANKS_PER_NODE=str(ranks_per_node),
                EPSERVE_OFFNODE_ROUTE=route)
     env.pop("EPSERVE_OFFNODE_SIZES", None)  # the job sets it itself
+    env.pop("EPSERVE_OFFNODE_DEDUP", None)  # the job's routed sizes refuse it
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=360, cwd=ROOT, env=env)
     assert proc.returncode == 0, explain(proc)
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("dispatch", "combine", "counts"))]
