@@ -10,7 +10,6 @@ from epserve.runtime import kernels
 from epserve.runtime.kernel_structs import i32, u64
 from epserve.runtime.launch import pointer, sm_count
 
-
 COMBINE_ARM_THREADS = 1024  # kCombineArmThreads in cuda/comm/combine.cu
 
 
