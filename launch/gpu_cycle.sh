@@ -15,6 +15,8 @@
 #                                              # under GEMM 2, <= 9 min
 #   bash launch/gpu_cycle.sh tests-x2          # two GPUs, the other 2-gpus tests, <= 9 min
 #   bash launch/gpu_cycle.sh fp8-race          # two GPUs, the FP8 GEMM's stage release fix, <= 8 min
+#   bash launch/gpu_cycle.sh sink-bulk         # GEMM 2's peer sink by bulk copies: its jobs, then the bench
+#                                              # with each sink build (the timing needs two GPUs), <= 8 min
 # bench runs one rank per GPU (on one GPU: one rank, no link); run, fuzz and soak take two
 # ranks, sharing the GPU where there is one.
 set -uo pipefail
@@ -140,11 +142,26 @@ sm__cycles_elapsed.avg.per_second,lts__t_sectors_op_read.sum,dram__bytes_read.su
             stage fp8-race-bench "^  dsv3|#wrong" timeout -k 10 120 env PYTHONPATH=. python3 launch/run.py -n 2 \
                 --timeout 110 -- python3 -m mpi4py -m epserve.bench --presets dsv3-prefill-fp8 --routing \
                 balanced,skewed --tokens 1024,2048 --iters 10 --warmup 3 --out "$out/fp8-race-bench" ;;
+        # GEMM 2's peer sink by bulk copies (EPSERVE_SINK_STORES=bulk, notes/gemm.md "GEMM 2 + fused
+        # combine, taken apart"), <= 8 min: its jobs bitwise (one GPU shared, and one GPU each
+        # where there are two), then the bench's gemm2 / fused / layer rows with each sink build.
+        sink-bulk) export NCCL_NVLS_ENABLE=0
+            stage sink-bulk-tests "passed|failed|FAILED|SKIPPED|ERROR|timed out" timeout -k 10 300 env PYTHONPATH=. \
+                python3 -m pytest -m gpu tests/gpu/test_two_ranks.py -q -rs -k bulk -p no:cacheprovider
+            keep=$status
+            for stores in warps bulk; do
+                stage "sink-bulk-bench-$stores" "^  dsv3|#wrong" timeout -k 10 150 env PYTHONPATH=. \
+                    EPSERVE_SINK_STORES=$stores python3 launch/run.py -n "$gpus" --timeout 140 -- python3 -m mpi4py \
+                    -m epserve.bench --presets dsv3-prefill,dsv3-prefill-fp8 --routing balanced --tokens 4096 \
+                    --iters 10 --warmup 3 --out "$out/sink-bulk-$stores"
+                keep=$((keep || status))
+            done
+            status=$keep ;;
         # The two-GPU tests other than the across-nodes ones (review-x2 runs those), <= 9 min.
         tests-x2) export NCCL_NVLS_ENABLE=0
             stage tests-x2 "passed|failed|FAILED|SKIPPED|ERROR|timed out" timeout -k 10 540 env PYTHONPATH=. \
                 python3 -m pytest -m gpu tests -q -rs -k "2-gpus and not test_across_nodes" -p no:cacheprovider ;;
-        *) echo "unknown stage $s (test run timing bench fuzz soak sanitize profile profile-fp8 layer review-x2 tests-x2 fp8-race)"; status=1 ;;
+        *) echo "unknown stage $s (test run timing bench fuzz soak sanitize profile profile-fp8 layer review-x2 tests-x2 fp8-race sink-bulk)"; status=1 ;;
     esac
 done
 exit $status

@@ -37,6 +37,9 @@
 #include "gemm/block_scaled_mma.cuh"
 #include "gemm/tile_scheduler.cuh"
 #include "sinks/ep_peer_sink.cuh"
+#if defined(EPSERVE_SINK_BULK) && EPSERVE_SINK_BULK  // the bulk-copy send warps (EPSERVE_SINK_STORES=bulk)
+#include "sinks/ep_peer_sink_bulk.cuh"
+#endif
 #include "sinks/null_peer_sink.cuh"
 #include "sinks/tile_mailbox.cuh"
 

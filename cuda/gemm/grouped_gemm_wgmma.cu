@@ -64,6 +64,9 @@
 #include "ffn/swiglu.cuh"
 #include "gemm/tile_scheduler.cuh"
 #include "sinks/ep_peer_sink.cuh"
+#if defined(EPSERVE_SINK_BULK) && EPSERVE_SINK_BULK  // the bulk-copy send warps (EPSERVE_SINK_STORES=bulk)
+#include "sinks/ep_peer_sink_bulk.cuh"
+#endif
 #include "sinks/ep_peer_sink_counting.cuh"
 #include "sinks/null_peer_sink.cuh"
 #include "sinks/tile_mailbox.cuh"

@@ -20,25 +20,17 @@ __device__ __forceinline__ bool wait_peer_ready(const PeerSendConfig& cfg, int d
   return false;
 }
 
-// Scatters `rows` rows of `cols` columns (a multiple of 8), row r read from src + r * src_ld,
-// into recv[t, j, col0 : col0 + cols] of the row's home rank, where (rank, t, j) decodes
-// src_info[m0 + r]. Called by kNumThreads threads together, which synchronize on named
-// barrier kBarrierId (0: the whole block). A home on this node (local index p) gets the row in
-// its recv over IPC, and rows * cols / 64 added to its arrival counter for this rank, after a
-// system-scope release, so a receiver that counts 64-column units per sender knows when it has
-// all, and which sender is late if it has not. A home on another node gets it at the same slot
-// of its copy of recv in the combine staging (off_recv), which the off-node carrier moves after
-// the kernel: no wait and no counter, stream order covers both (docs/design.md, "Across nodes").
-template <int kNumThreads, int kMaxRows, int kBarrierId = 0>
-__device__ void scatter_rows_to_peers(const bf16_t* src, int src_ld, int rows, int cols, int m0, int col0,
-                                      const PeerSendConfig& cfg, int tid) {
+// Where each of `rows` rows goes (row_dst; null for a row the scatter refuses) and through
+// whom (row_peer: its home's local index, or EPSERVE_MAX_PEERS for another node), how many go
+// to each home of this node (peer_rows), and whether each home took the previous combine's
+// rows in time (peer_ok, waited for here). Every array is the caller's shared memory; called
+// by kNumThreads threads together, it ends with a barrier, so all may read the tables after.
+template <int kNumThreads, int kBarrierId>
+__device__ __forceinline__ void plan_rows_to_peers(int rows, int m0, int col0, const PeerSendConfig& cfg, int tid,
+                                                   bf16_t** row_dst, int* row_peer, unsigned int* peer_rows,
+                                                   int* peer_ok) {
   constexpr int kOffNode = EPSERVE_MAX_PEERS;  // row_peer of a row whose home is on another node
   static_assert(kNumThreads > kOffNode, "a thread per local index, and one for the other nodes");
-  __shared__ bf16_t* row_dst[kMaxRows];        // where the row's columns go, or null (refused)
-  __shared__ int row_peer[kMaxRows];           // its home's local index, or kOffNode
-  __shared__ unsigned int peer_rows[EPSERVE_MAX_PEERS];
-  __shared__ int peer_ok[EPSERVE_MAX_PEERS + 1];
-
   const int R = cfg.ranks_per_node, first = cfg.node_first;
   if (tid < EPSERVE_MAX_PEERS) peer_rows[tid] = 0;
   named_barrier_sync<kBarrierId, kNumThreads>();
@@ -66,6 +58,26 @@ __device__ void scatter_rows_to_peers(const bf16_t* src, int src_ld, int rows, i
   if (tid < R) peer_ok[tid] = peer_rows[tid] == 0 || wait_peer_ready(cfg, first + tid);
   if (tid == kOffNode) peer_ok[tid] = 1;
   named_barrier_sync<kBarrierId, kNumThreads>();
+}
+
+// Scatters `rows` rows of `cols` columns (a multiple of 8), row r read from src + r * src_ld,
+// into recv[t, j, col0 : col0 + cols] of the row's home rank, where (rank, t, j) decodes
+// src_info[m0 + r]. Called by kNumThreads threads together, which synchronize on named
+// barrier kBarrierId (0: the whole block). A home on this node (local index p) gets the row in
+// its recv over IPC, and rows * cols / 64 added to its arrival counter for this rank, after a
+// system-scope release, so a receiver that counts 64-column units per sender knows when it has
+// all, and which sender is late if it has not. A home on another node gets it at the same slot
+// of its copy of recv in the combine staging (off_recv), which the off-node carrier moves after
+// the kernel: no wait and no counter, stream order covers both (docs/design.md, "Across nodes").
+template <int kNumThreads, int kMaxRows, int kBarrierId = 0>
+__device__ void scatter_rows_to_peers(const bf16_t* src, int src_ld, int rows, int cols, int m0, int col0,
+                                      const PeerSendConfig& cfg, int tid) {
+  __shared__ bf16_t* row_dst[kMaxRows];        // where the row's columns go, or null (refused)
+  __shared__ int row_peer[kMaxRows];           // its home's local index, or kOffNode
+  __shared__ unsigned int peer_rows[EPSERVE_MAX_PEERS];
+  __shared__ int peer_ok[EPSERVE_MAX_PEERS + 1];
+  const int R = cfg.ranks_per_node;
+  plan_rows_to_peers<kNumThreads, kBarrierId>(rows, m0, col0, cfg, tid, row_dst, row_peer, peer_rows, peer_ok);
 
   const int chunks_per_row = cols / 8;
   for (int c = tid; c < rows * chunks_per_row; c += kNumThreads) {

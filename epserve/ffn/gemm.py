@@ -57,6 +57,33 @@ def gemm_impl() -> str:
     return impl
 
 
+PEER_STORES = ("warps", "bulk")
+
+
+def peer_stores() -> str:
+    """How GEMM 2's peer sink moves its tiles: $EPSERVE_SINK_STORES, "warps" (the send warps'
+    16-byte stores and a system-scope fence a tile; the default) or "bulk" (bulk asynchronous
+    copies, each tile's arrival published one tile later: cuda/sinks/row_scatter_bulk.cuh;
+    opt-in until measured on two GPUs). The same bytes in the same slots either way, so the
+    ranks need not agree. The overlap build (EPSERVE_OFFNODE_OVERLAP=1) always uses "warps"."""
+    stores = os.environ.get("EPSERVE_SINK_STORES", "warps")
+    if stores not in PEER_STORES:
+        raise ConfigError(f"EPSERVE_SINK_STORES must be one of {PEER_STORES}, got {stores!r}")
+    return stores
+
+
+PEER_BUILDS_USED: set = set()  # the peer builds this process has launched (the GPU jobs report them)
+
+
+def peer_variant(sink: str) -> str:
+    """The variant name part of `sink` for GEMM 2 (peer_stores says which peer build)."""
+    if sink != "peer":
+        return sink
+    name = "peer_bulk" if peer_stores() == "bulk" else "peer"
+    PEER_BUILDS_USED.add(name)
+    return name
+
+
 def grouped_gemm(sink: str, A, B, C, expert_offsets, num_experts: int, N: int, K: int, cfg=None, gate: int = 0,
                  impl: str | None = None, rows: int | None = None, split: str | None = None) -> None:
     """C[m] = A[m] @ B[e]^T per expert; `sink` "null" stores C, "peer" sends to recv (C may be None).
@@ -94,7 +121,7 @@ def grouped_gemm_specs(sink: str, A, B, C, expert_offsets, num_experts: int, N: 
                 i32(gate))
         return [(fn, (sm_count(device),), (threads,), args, smem)]
     policy = tiles.gemm2_split_policy(expected_rows, num_experts, N, K, sm_count(device), split)
-    variant = f"gemm_wgmma_{sink}" if policy is None else f"gemm_wgmma_{sink}_split"
+    variant = f"gemm_wgmma_{peer_variant(sink)}" + ("" if policy is None else "_split")
     return _wgmma_specs(variant, A, B, num_experts * N, C, expert_offsets, num_experts, N, K, cfg, gate,
                         split_policy=policy or 0)
 

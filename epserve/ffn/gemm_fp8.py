@@ -17,7 +17,7 @@ import cupy
 import numpy as np
 
 from epserve.ffn.fp8 import _i64
-from epserve.ffn.gemm import _gemm_kernel, _tile_counter, run
+from epserve.ffn.gemm import _gemm_kernel, _tile_counter, peer_variant, run
 from epserve.runtime import tma
 from epserve.runtime.kernel_structs import PEER_SEND_CONFIG, i32, launch_arg
 from epserve.runtime.launch import NULL, module_int, sm_count
@@ -76,8 +76,8 @@ def grouped_gemm_fp8_specs(sink: str, a, a_scales, b, b_scales, C, expert_offset
     if cfg is None:
         assert sink == "null", "the peer sink needs its PeerSendConfig"
         cfg = _NO_PEERS
-    return _specs(f"gemm_fp8_{sink}", a, a_scales, b, b_scales, num_experts * N, C, None, expert_offsets, num_experts,
-                  N, K, cfg, gate)
+    return _specs(f"gemm_fp8_{peer_variant(sink)}", a, a_scales, b, b_scales, num_experts * N, C, None,
+                  expert_offsets, num_experts, N, K, cfg, gate)
 
 
 def gemm1_swiglu_fp8(a, a_scales, w13, w13_scales, act, act_scales, expert_offsets, num_experts: int,

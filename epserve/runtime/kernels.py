@@ -23,6 +23,7 @@ OFF_NODE_DEDUP_SOURCE = "comm/off_node_dedup.cu"  # the relay with each token on
 # Across nodes with EPSERVE_OFFNODE_OVERLAP=1: GEMM 2's sink also counts the rows it staged for
 # each off-node home, and the tiles of m-tiles holding such rows go first (a permutation).
 OVERLAP = {"EPSERVE_SINK": "EpPeerSinkCountingOffNode", "EPSERVE_GEMM_OFFNODE_FIRST": 1}
+BULK = {"EPSERVE_SINK": "EpPeerSinkBulk", "EPSERVE_SINK_BULK": 1}
 FP8_GEMM_SOURCE = "gemm/grouped_gemm_fp8.cu"  # block-scaled e4m3 wgmma, the bf16 wgmma GEMM's structure
 FP8_QUANTIZE_SOURCE = "ffn/quantize_fp8.cu"
 
@@ -45,6 +46,11 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     **{f"gemm_fp8_{sink}": (FP8_GEMM_SOURCE, {"EPSERVE_SINK": cls, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1,
                                                 "EPSERVE_GEMM_FP8_OVERLAP": 0})
        for sink, cls in SINKS.items()},
+    # GEMM 2's peer sink with bulk asynchronous copies (EPSERVE_SINK_STORES=bulk, opt-in:
+    # epserve/ffn/gemm.py peer_stores; cuda/sinks/row_scatter_bulk.cuh)
+    "gemm_wgmma_peer_bulk": (WGMMA_GEMM_SOURCE, BULK),
+    "gemm_wgmma_peer_bulk_split": (WGMMA_GEMM_SOURCE, {**BULK, "EPSERVE_GEMM_SPLIT_K": 2}),
+    "gemm_fp8_peer_bulk": (FP8_GEMM_SOURCE, {**BULK, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_OVERLAP": 0}),
     "gemm1_fp8_swiglu": (FP8_GEMM_SOURCE, {"EPSERVE_SINK": SINKS["null"], "EPSERVE_GEMM_SWIGLU": 1,
                                            "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_OVERLAP": 1}),
     "quantize_fp8": (FP8_QUANTIZE_SOURCE, {}),

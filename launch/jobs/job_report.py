@@ -14,8 +14,12 @@ def emit(line: str) -> None:
 
 
 def report(comm, record: dict) -> None:
-    """Collective: rank 0 prints one `RESULT {json}` line per rank's record."""
-    records = comm.gather(record, root=0)
+    """Collective: rank 0 prints one `RESULT {json}` line per rank's record, each with the
+    GEMM 2 peer builds its rank launched (epserve/ffn/gemm.py peer_variant), so a test can
+    tell which one a job ran."""
+    from epserve.ffn.gemm import PEER_BUILDS_USED
+
+    records = comm.gather({**record, "peer_builds": sorted(PEER_BUILDS_USED)}, root=0)
     if comm.Get_rank() == 0:
         for r in records:
             print("RESULT " + json.dumps(r), flush=True)

@@ -11,7 +11,8 @@ two, with one GPU each:
   check_fp8_race.py FP8 at DeepSeek-V3's sizes: many fused calls back to back, each == unfused bitwise
                     (two GPUs only: the race it guards against showed over NVLink only)
 and check_service, check_graph and check_replay once more with GEMM 2's split build forced
-(EPSERVE_GEMM2_SPLIT_K=always): its workspace and flags under forward, graphs and replays.
+(EPSERVE_GEMM2_SPLIT_K=always): its workspace and flags under forward, graphs and replays;
+and five of them with GEMM 2's peer sink moving tiles by bulk copies (EPSERVE_SINK_STORES=bulk).
 """
 
 import json
@@ -66,6 +67,27 @@ def test_job_passes_with_gemm2_split_in_k_halves(job, monkeypatch):
     failures = [r for r in results if not r["ok"]]
     assert proc.returncode == 0 and not failures, proc.stdout[-6000:] + proc.stderr[-6000:]
     assert planned and len(results) == 2 * planned[0], proc.stdout[-3000:]
+
+
+@pytest.mark.parametrize("job", ["check_combine.py", "check_service.py", "check_fp8.py", "check_graph.py",
+                                 "check_replay.py --fp8"])
+@pytest.mark.parametrize("share_gpu", [True, False], ids=["2-ranks-1-gpu", "2-ranks-2-gpus"])
+def test_job_passes_with_bulk_peer_stores(job, share_gpu, monkeypatch):
+    """GEMM 2's peer sink with bulk asynchronous copies (EPSERVE_SINK_STORES=bulk,
+    cuda/sinks/row_scatter_bulk.cuh): the same bytes in the same slots, each tile's arrival
+    published a tile later, so every bitwise oracle of the jobs holds as is; every rank must
+    have launched the bulk build and no other peer build."""
+    if not share_gpu and gpu_count() < 2:
+        pytest.skip("needs two GPUs")
+    monkeypatch.setenv("EPSERVE_SINK_STORES", "bulk")
+    proc, results, planned = run_job(job, share_gpu)
+    failures = [r for r in results if not r["ok"]]
+    assert proc.returncode == 0 and not failures, proc.stdout[-6000:] + proc.stderr[-6000:]
+    assert planned and len(results) == 2 * planned[0], proc.stdout[-3000:]
+    # Each record lists the builds its rank launched so far; the last case's records (one a
+    # rank) cover the whole job.
+    builds = [r["peer_builds"] for r in results]
+    assert all(set(b) <= {"peer_bulk"} for b in builds) and builds[-2:] == [["peer_bulk"]] * 2, builds
 
 
 def test_fp8_back_to_back_fused_calls_equal_unfused():

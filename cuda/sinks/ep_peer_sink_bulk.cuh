@@ -1,0 +1,31 @@
+// EpPeerSinkBulk: EpPeerSink whose send warps move each tile's rows with bulk asynchronous
+// copies and publish their arrival one tile later (sinks/row_scatter_bulk.cuh says why). Only
+// the EPSERVE_SINK_BULK builds use it (gemm_wgmma_peer_bulk*, gemm_fp8_peer_bulk), chosen at
+// run time by EPSERVE_SINK_STORES=bulk; every default build stays as it was. The same bytes in
+// the same slots, so the results are EpPeerSink's bit for bit.
+#pragma once
+#include "sinks/ep_peer_sink.cuh"
+#include "sinks/row_scatter_bulk.cuh"
+
+struct EpPeerSinkBulk : EpPeerSink {
+  // send_tile (no send warps: the mma.sync GEMM) is EpPeerSink's.
+
+  // Output warps: their tile writes (generic proxy) ordered before the copy engine's reads.
+  template <int kOutputThreads>
+  __device__ static void hand_over(SendMailbox* box, const SmemTile& tile, int m_abs, int n_abs, int tid) {
+    epserve::fence_proxy_async_shared();
+    Mailbox<kOutputThreads>::hand_over(box, tile, m_abs, n_abs, tid);
+  }
+
+  // Send warps: every tile handed over until `done`, then the last tile's arrival.
+  template <int kOutputThreads>
+  __device__ static void service(const SmemTile& tile, const SendMailbox* box, const PeerSendConfig& cfg, int send_tid) {
+    __shared__ epserve::BulkPending pending;
+    epserve::zero_bulk_pending<kSendThreads, kSendBarrier>(pending, send_tid);
+    Mailbox<kOutputThreads>::serve(box, [&](const SendMailbox& m) {
+      epserve::scatter_tile_rows_bulk<kSendThreads, 128, kSendBarrier>(tile.data, tile.ld, m.rows, m.cols, m.m_abs,
+                                                                       m.n_abs, cfg, pending, send_tid);
+    });
+    epserve::flush_bulk_rows<kSendThreads, kSendBarrier>(pending, cfg, send_tid);
+  }
+};
