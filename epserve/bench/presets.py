@@ -80,13 +80,14 @@ def scaled(preset: Preset, tokens_per_rank: int | None = None, hidden: int | Non
 
 def balanced_point(name: str, tokens: int | None, world: int, seed: int, wait_timeout_s: float = 60.0):
     """A timing job's point, as the bench draws it: the preset at `tokens` per rank (default
-    its own), its MoEConfig for `world` ranks, and every rank's balanced routing (seed + T)."""
+    its own), its MoEConfig for `world` ranks (FP8 experts for the -fp8 presets), and every
+    rank's balanced routing (seed + T)."""
     from epserve.config import MoEConfig
 
     pre = get_preset(name)
     at = scaled(pre, tokens_per_rank=tokens or pre.tokens_per_rank)
     cfg = MoEConfig(at.num_experts, at.top_k, at.hidden, at.intermediate, at.tokens_per_rank, world_size=world,
-                    wait_timeout_s=wait_timeout_s)
+                    wait_timeout_s=wait_timeout_s, expert_dtype=pre.expert_dtype)
     return at, cfg, balanced().draw(at, world, seed + at.tokens_per_rank)
 
 

@@ -20,7 +20,9 @@ with EPSERVE_DISPATCH_STAMPS (global-timer stamps per block): when the sends end
 rank's own rows are expanded, when the expansion ends. After every configuration the rows,
 expert_offsets and src_info must equal the host plan's (epserve/dispatch/host_plan.py, moved by the
 baseline dispatcher) bit for bit, and so must the NCCL dispatch's (#wrong, summed over
-ranks). Prints a table on rank 0; exits 1 when anything differs."""
+ranks). With an -fp8 preset the service has FP8 experts: the move is the quantizing build and the
+references move x quantized by the service's own quantize launch. Prints a table on rank 0; exits 1
+when anything differs."""
 
 from __future__ import annotations
 
@@ -41,7 +43,13 @@ from epserve.comm import mpi as ep_comm
 # names before the route merge (route_count, ...) let this job time an older tree too.
 KERNELS = (("route_count", "_count"), ("route_publish", "_publish"), ("count+publish", "route.count_publish"),
            ("route_rank", "_rank"), ("layout", "_layout"), ("rank+layout", "route.rank_layout"), ("move", "_move"),
-           ("release", "_release"))
+           ("move", "_move_quantize"), ("release", "_release"))
+
+
+def move_attr(d) -> str:
+    """The dispatcher's move kernel attribute this call launches: with FP8 experts the
+    quantizing build's (the move quantizes bf16 tokens into packed rows)."""
+    return "_move_quantize" if getattr(d, "quantizes", False) else "_move"
 
 
 def _get(obj, path: str):
@@ -58,12 +66,12 @@ def _set(obj, path: str, value) -> None:
 def present_kernels(d) -> tuple:
     def has(path):
         try:
-            _get(d, path)
-            return True
+            return _get(d, path) is not None
         except AttributeError:
             return False
 
-    return tuple((name, path) for name, path in KERNELS if has(path))
+    moves = {"_move", "_move_quantize"} - {move_attr(d)}  # the move kernel this dispatcher does not launch
+    return tuple((name, path) for name, path in KERNELS if path not in moves and has(path))
 
 
 class Stamped:
@@ -122,13 +130,15 @@ def move_phases(comm, d, x, idx, T: int, iters: int) -> dict:
     rank's own rows, and to the last expand block's end; medians, the slowest rank."""
     from epserve.runtime.build import load_module
 
-    mod = load_module("comm/dispatch.cu", {"EPSERVE_DISPATCH_STAMPS": 1})
+    attr = move_attr(d)
+    quantize = {"EPSERVE_DISPATCH_QUANTIZE": 1} if attr == "_move_quantize" else {}
+    mod = load_module("comm/dispatch.cu", {"EPSERVE_DISPATCH_STAMPS": 1, **quantize})
     ptr = mod.get_global("epserve_move_stamps")
     stamps = cupy.ndarray((2048, 3), cupy.uint64, memptr=ptr)
     send = max(1, min(d.send_blocks_max, (T + 7) // 8))
     grid = send + d.expand_blocks
-    saved = d._move
-    d._move = mod.get_function("epserve_dispatch_move")
+    saved = getattr(d, attr)
+    setattr(d, attr, mod.get_function("epserve_dispatch_move"))
     out = {"send end": [], "own rows done": [], "expand end": [], "median send block end": []}
     try:
         for _ in range(iters):
@@ -145,7 +155,7 @@ def move_phases(comm, d, x, idx, T: int, iters: int) -> dict:
             out["own rows done"].append((st[send:, 1].max() - t0) / 1e3)
             out["expand end"].append((st[send:, 2].max() - t0) / 1e3)
     finally:
-        d._move = saved
+        setattr(d, attr, saved)
     return {name: comm.allreduce(float(np.median(v)), op=MPI.MAX) for name, v in out.items()}
 
 
@@ -182,7 +192,9 @@ def main():
         # The reference: the host plan (epserve/dispatch/host_plan.py) and its row move, which share no
         # kernel with the direct dispatch; the NCCL dispatch must give it too.
         plan = svc._host_plan(idx)
-        ref = (svc.baseline.dispatch(x, plan), plan.expert_offsets, plan.src_info)
+        # With FP8 experts the rows move as packed FP8 rows: the reference moves x quantized
+        # by the service's own quantize launch (what the NCCL and host-planned paths move).
+        ref = (svc.baseline.dispatch(svc._rows_to_dispatch(x, "nccl"), plan), plan.expert_offsets, plan.src_info)
         nccl_wrong = comm.allreduce(wrong_bits(svc.dispatch(x, idx, w, "nccl"), ref))
         bad += nccl_wrong
         d = svc.direct
@@ -242,7 +254,7 @@ def main():
         odd[::5, 1] = odd[::5, 0]
         odd[::3, k - 1] = -1
         plan = svc._host_plan(odd)
-        odd_ref = (svc.baseline.dispatch(x, plan), plan.expert_offsets, plan.src_info)
+        odd_ref = (svc.baseline.dispatch(svc._rows_to_dispatch(x, "nccl"), plan), plan.expert_offsets, plan.src_info)
         odd_wrong = comm.allreduce(wrong_bits(svc.dispatch(x, odd, w, "direct"), odd_ref))
         if hasattr(d, "own_in_send"):  # the same with the send warps storing the own rows
             d.own_in_send = True
@@ -257,7 +269,9 @@ def main():
         sent = int(cupy.count_nonzero(tok_pos[:T] >= 0)) if tok_pos is not None else 0
         sent_all = comm.gather(sent)
         if rank == 0:
-            print(f"# time_dispatch: {world} ranks, {args.preset} T={T} H={H} E={E} k={k}, balanced routing, "
+            print(f"# time_dispatch: {world} ranks, {args.preset} T={T} H={H} E={E} k={k}, "
+                  f"{cfg.expert_dtype} experts{' (the move quantizes)' if getattr(d, 'quantizes', False) else ''}, "
+                  f"balanced routing, "
                   f"rows received by rank 0: {M}; token rows (all destinations) by rank: {sent_all}; "
                   f"{args.iters} iterations, median, slowest rank; NCCL dispatch #wrong {nccl_wrong}")
             print(f"call (EPService.dispatch, as the bench's dispatch-direct): {call * 1e3:.1f} us")

@@ -73,3 +73,14 @@ def test_skewed_routing_has_hot_experts_spread_over_ranks():
     assert skewed.max() > 10 * mean  # a few experts take most of the rows
     hot = np.argsort(skewed)[-8:]
     assert len(set(hot // (preset.num_experts // 2))) == 2  # not all on one rank
+
+
+def test_timing_jobs_point_has_the_presets_expert_dtype():
+    """launch/jobs/time_dispatch.py and time_off_node.py build their service from
+    balanced_point: an -fp8 preset must give FP8 experts (it once gave bf16 silently)."""
+    from epserve.bench.presets import balanced_point
+
+    for name, dtype in (("dsv3-prefill", "bf16"), ("dsv3-prefill-fp8", "fp8"), ("dsv3-decode-fp8", "fp8")):
+        _, cfg, routing = balanced_point(name, 64, 2, 17)
+        assert cfg.expert_dtype == dtype
+        assert len(routing) == 2 and routing[0].shape == (64, cfg.top_k)
