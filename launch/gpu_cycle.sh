@@ -79,9 +79,11 @@ sm__cycles_elapsed.avg.per_second,lts__t_sectors_op_read.sum,dram__bytes_read.su
         # Issue 13 on two GPUs: the dispatch (<= 300 us at dsv3-prefill 4096), the decode layer
         # replayed from a graph (<= 2.9 ms, eager within 5%), and forward's host time (<= 50 us).
         layer) share=$([ "$gpus" -ge 2 ] || echo --share-gpu)
-               stage layer-dispatch "^(call|move|default|[0-9]+:[0-9]+|own in|routing with|# time)|wrong|Error" \
-                   env PYTHONPATH=. python3 launch/run.py -n 2 $share --timeout 120 -- python3 -m mpi4py \
-                   launch/jobs/time_dispatch.py --preset dsv3-prefill --tokens 4096 --iters 20
+               for preset in dsv3-prefill dsv3-prefill-fp8; do  # issue 16's FP8 / bf16 dispatch ratio
+                   stage "layer-dispatch-$preset" "^(call|move|default|[0-9]+:[0-9]+|own in|routing with|# time)|wrong|Error" \
+                       env PYTHONPATH=. python3 launch/run.py -n 2 $share --timeout 120 -- python3 -m mpi4py \
+                       launch/jobs/time_dispatch.py --preset $preset --tokens 4096 --iters 20
+               done
                stage layer-graph "^#|^[a-z]|Error" env PYTHONPATH=. python3 launch/run.py -n 2 $share \
                    --timeout 120 -- python3 -m mpi4py launch/jobs/time_graph.py --preset dsv3-decode --tokens 128
                stage layer-host "^#|^forward|^dispatch|Error" env PYTHONPATH=. python3 launch/run.py -n 2 $share \
