@@ -22,10 +22,12 @@ def gemm_rate(n: int = 8192) -> float:
     return 2.0 * n**3 / (ms / 1e3)
 
 
-def fp8_gemm_rate(n: int = 8192) -> float:
-    """Our FP8 GEMM (the block-scaled e4m3 wgmma kernel GEMM 2 runs) on one dense n^3 problem:
-    the FP8 limit the FP8 rows are rated against, as cuBLAS's bf16 GEMM is for bf16 (cuBLASLt
-    FP8 is not reachable through CuPy without a new dependency)."""
+def fp8_gemm_rates(n: int = 8192) -> dict[str, float]:
+    """Dense FP8 GEMM rates on one n^3 problem with DeepSeek-V3's scales (1 x 128 for A, 128 x
+    128 for B), by name: "ours" (the block-scaled e4m3 wgmma kernel GEMM 2 runs) and
+    "cuBLASLt" (its block-scaled FP8 GEMM, where reachable: epserve.bench.cublaslt). The
+    faster is the FP8 limit the FP8 rows are rated against, as cuBLAS's bf16 GEMM is for bf16."""
+    from epserve.bench import cublaslt
     from epserve.ffn import fp8, gemm_fp8
 
     a = cupy.random.standard_normal((n, n), dtype=np.float32).astype(BF16)
@@ -34,8 +36,11 @@ def fp8_gemm_rate(n: int = 8192) -> float:
     b_q, b_s = fp8.quantize_blocks(b)
     c = cupy.empty((n, n), BF16)
     offsets = cupy.asarray(np.array([0, n], np.int32))
-    ms = median_ms(lambda: gemm_fp8.grouped_gemm_fp8("null", a_q, a_s, b_q, b_s, c, offsets, 1, n, n))
-    return 2.0 * n**3 / (ms / 1e3)
+    runs = {"ours": lambda: gemm_fp8.grouped_gemm_fp8("null", a_q, a_s, b_q, b_s, c, offsets, 1, n, n)}
+    if cublaslt.unavailable() is None:
+        runs["cuBLASLt"] = lambda: cublaslt.gemm_fp8_nt(a_q.data.ptr, a_s.data.ptr, b_q.data.ptr, b_s.data.ptr,
+                                                        c.data.ptr, n, n, n)
+    return {name: 2.0 * n**3 / (median_ms(run) / 1e3) for name, run in runs.items()}
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:

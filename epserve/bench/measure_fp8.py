@@ -11,7 +11,7 @@ bf16 presets' path names, so the report and the baselines read them alike:
   layer-unfused  forward, NCCL dispatch, null sink
 
 Their FLOPs are the bf16 layer's (the same products); the caller rates the GEMMs against an
-FP8 dense limit measured in the same run (limits.fp8_gemm_rate). The HBM floors keep bf16's
+FP8 dense limit measured in the same run (limits.fp8_gemm_rates). The HBM floors keep bf16's
 weight bytes, so for the weight-bound decode they are upper bounds. Checked: fused ==
 unfused and layer-fused == layer-unfused bitwise, GEMM 1 reruns bitwise. Reported, not
 asserted: the FP8 layer's relative error against the bf16 layer on the same tokens and

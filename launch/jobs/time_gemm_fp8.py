@@ -7,8 +7,11 @@ Rows per expert are those rank 0 receives when `--ranks` ranks route the preset'
 (launch/jobs/time_gemm.py's rows_per_expert: same seeds, same routings). Per routing:
 GEMM 1 FP8 with SwiGLU and act quantization in its epilogue, the same FP8 GEMM storing
 [M, 2I] in bf16, and bf16 GEMM 1 + SwiGLU; GEMM 2 FP8 with the null sink, in its peer build
-gated off, and bf16 GEMM 2. A dense FP8 GEMM (one expert, 8192^3, our kernel) and the dense
-bf16 cuBLAS GEMM give the machine's rates in the same run. CUDA-event medians, paths
+gated off, and bf16 GEMM 2; cuBLASLt's block-scaled FP8 GEMM per expert beside each (the
+library a user without epserve calls, where it is reachable: epserve.bench.cublaslt; each
+expert's rows padded to 16, which it needs; TFLOP/s of the real rows as for ours). A
+dense FP8 GEMM (8192^3: ours and cuBLASLt's) and the dense bf16 cuBLAS GEMM give the
+machine's rates in the same run. CUDA-event medians, paths
 interleaved; TFLOP/s count real rows only. The issue's target: each FP8 GEMM >= 1100 TFLOP/s
 at dsv3-prefill, balanced routing.
 
@@ -31,7 +34,7 @@ import numpy as np
 from time_gemm import dense, interleaved_ms, row, rows_per_expert  # launch/jobs/time_gemm.py
 
 from epserve.arrays import BF16
-from epserve.bench import arithmetic, presets
+from epserve.bench import arithmetic, cublaslt, presets
 from epserve.check.fp8_reference import scale_ld
 from epserve.ffn import fp8, gemm, gemm_fp8
 from epserve.runtime.kernel_structs import PEER_SEND_CONFIG
@@ -74,14 +77,47 @@ def main():
 
 
 def dense_fp8(rs, n):
-    """Our FP8 GEMM as a dense one: a single expert of n rows, n x n weights."""
+    """Our FP8 GEMM as a dense one (a single expert of n rows, n x n weights), and cuBLASLt's
+    block-scaled FP8 GEMM on the same operands where it is reachable (checked against ours)."""
     a_q, a_s = fp8.quantize_rows(rs.standard_normal((n, n), dtype=np.float32).astype(BF16))
-    b_q, b_s = fp8.quantize_blocks(rs.standard_normal((1, n, n), dtype=np.float32).astype(BF16))
-    c = cupy.empty((n, n), BF16)
+    b_q, b_s = fp8.quantize_blocks((rs.standard_normal((1, n, n), dtype=np.float32) / np.sqrt(n)).astype(BF16))
+    c, c_lt = cupy.empty((n, n), BF16), cupy.empty((n, n), BF16)
     offsets = cupy.asarray(np.array([0, n], np.int32))
-    times = interleaved_ms({"fp8": lambda: gemm_fp8.grouped_gemm_fp8("null", a_q, a_s, b_q, b_s, c, offsets, 1, n,
-                                                                      n)}, 2, 10)
+    runs = {"fp8": lambda: gemm_fp8.grouped_gemm_fp8("null", a_q, a_s, b_q, b_s, c, offsets, 1, n, n)}
+    why_not = cublaslt.unavailable()
+    if why_not is None:
+        runs["cublaslt"] = lambda: cublaslt.gemm_fp8_nt(a_q.data.ptr, a_s.data.ptr, b_q.data.ptr, b_s.data.ptr,
+                                                        c_lt.data.ptr, n, n, n)
+    times = interleaved_ms(runs, 2, 10)
     row("-", "dense", f"FP8 GEMM (ours) {n}^3", times["fp8"], 2 * n**3, 0)
+    if why_not is None:
+        row("-", "dense", f"cuBLASLt FP8 {n}^3", times["cublaslt"], 2 * n**3, 0, rel_diff(c_lt, c))
+    else:
+        print(f"# no cuBLASLt FP8 rows: {why_not}")
+
+
+def rel_diff(c, ref) -> str:
+    """Relative Frobenius difference, as text: cuBLASLt sums in its own order, so not bitwise."""
+    c, ref = c.astype(np.float32), ref.astype(np.float32)
+    return f"rel {float(cupy.linalg.norm(c - ref) / cupy.linalg.norm(ref)):.4f}"
+
+
+def cublaslt_per_expert(A, w, w_scales, N, offsets_host):
+    """cuBLASLt's block-scaled FP8 GEMM, one call per expert, as a library user runs it:
+    each expert's rows padded to cublaslt.ROW_ALIGN (zero rows), quantized by our row
+    quantizer, the scales put in its per-expert layout; all outside the timing. Returns
+    (run, C of the real rows) for interleaved_ms, or (None, None) where unreachable."""
+    if cublaslt.unavailable() is not None:
+        return None, None
+    M, K = A.shape
+    padded = cublaslt.padded_offsets(offsets_host)
+    at = cupy.asarray(cublaslt.padded_positions(offsets_host, padded))
+    A_pad = cupy.zeros((int(padded[-1]), K), BF16)
+    A_pad[at] = A
+    a_q, a_s = fp8.quantize_rows(A_pad)
+    scaled, starts = cublaslt.scales_by_expert(a_s, padded, cupy.asarray(padded), int(padded[-1]))
+    C = cupy.empty((int(padded[-1]), N), BF16)
+    return (lambda: cublaslt.grouped_gemm_fp8(a_q, scaled, starts, w, w_scales, C, padded)), (lambda: C[at])
 
 
 def verdict(ms, flops):
@@ -110,6 +146,9 @@ def gemm1(rs, spec, offsets_host, w13_host, weights, H, I, args):
     runs = {"fp8 + SwiGLU + quantize epilogue": fused, "fp8 [M, 2I] + SwiGLU + quantize": unfused,
             "fp8 [M, 2I] alone": lambda: gemm_fp8.grouped_gemm_fp8("null", a_q, a_s, weights.w13, weights.w13_scales,
                                                                    h, offsets, E, 2 * I, H)}
+    lt, h_lt = cublaslt_per_expert(A, weights.w13, weights.w13_scales, 2 * I, offsets_host)
+    if lt is not None:
+        runs["cuBLASLt per expert [M, 2I]"] = lt
     knob_out = {}  # path -> (act, act_s) of that build
     for knob, name in knob_builds("gemm1_fp8_swiglu", args):
         out = knob_out[f"fp8 + SwiGLU epilogue, {knob}"] = (cupy.empty((M, I), np.uint8),
@@ -129,6 +168,10 @@ def gemm1(rs, spec, offsets_host, w13_host, weights, H, I, args):
         check = ("bitwise" if same else "DIFFER") if path.startswith("fp8 [M, 2I] +") else ""
         if path.startswith("fp8 + SwiGLU"):
             check = verdict(ms, flops)
+        if path.startswith("cuBLASLt"):  # against our [M, 2I] on the same operands
+            gemm_fp8.grouped_gemm_fp8("null", a_q, a_s, weights.w13, weights.w13_scales, h, offsets, E, 2 * I, H)
+            lt()
+            check = rel_diff(h_lt(), h)
         if path in knob_out:  # the knob build's own output, against the default's
             k_act, k_s = knob_out[path]
             check = "bitwise" if bool((k_act == act).all()) and bool((k_s[:, :M] == act_s[:, :M]).all()) else "DIFFER"
@@ -148,6 +191,9 @@ def gemm2(rs, spec, offsets_host, w2_host, weights, H, I, args):
     runs = {"fp8 (null sink)": lambda: gemm_fp8.grouped_gemm_fp8("null", a_q, a_s, *w, C, offsets, E, H, I),
             "fp8 (peer build, gated off)": lambda: gemm_fp8.grouped_gemm_fp8("peer", a_q, a_s, *w, None, offsets, E,
                                                                            H, I, gated_off, -1)}
+    lt, C_lt = cublaslt_per_expert(A, *w, H, offsets_host)
+    if lt is not None:
+        runs["cuBLASLt per expert"] = lt
     knob_out = {}  # path -> that build's C
     for knob, name in knob_builds("gemm_fp8_null", args):
         out = knob_out[f"fp8 (null sink), {knob}"] = cupy.empty((M, H), BF16)
@@ -159,11 +205,15 @@ def gemm2(rs, spec, offsets_host, w2_host, weights, H, I, args):
     times = interleaved_ms(runs, args.warmup, args.iters)
     gemm_fp8.grouped_gemm_fp8("null", a_q, a_s, *w, C, offsets, E, H, I)
     gemm.grouped_gemm("null", A, w2, C_bf16, offsets, E, H, I)
+    if lt is not None:
+        lt()
     c, ref = C.astype(np.float32), C_bf16.astype(np.float32)
     vs_bf16 = f"{float(cupy.linalg.norm(c - ref) / cupy.linalg.norm(ref)):.4f}"
     for path, ms in times.items():
         check = verdict(ms, flops) if path == "fp8 (null sink)" else ("rel " + vs_bf16 if path.startswith("bf16")
                                                                       else "")
+        if path.startswith("cuBLASLt"):
+            check = rel_diff(C_lt(), C)
         if path in knob_out:  # the knob build's own output, against the default's
             check = "bitwise" if bool((knob_out[path].view(np.uint16) == C.view(np.uint16)).all()) else "DIFFER"
         row(spec, "GEMM 2", path, ms, flops, wbytes * (2 if path.startswith("bf16") else 1), check)
