@@ -244,3 +244,20 @@ def grouped_gemm_fp8(a_q, scaled, starts, w, w_scales, C, offsets_host) -> None:
         if hi > lo:
             gemm_fp8_nt(a_q.data.ptr + lo * K, scaled.data.ptr + int(starts[e]) * 4, w.data.ptr + e * w_bytes,
                         w_scales.data.ptr + e * ws_floats * 4, C.data.ptr + lo * N * 2, hi - lo, N, K)
+
+
+def captured(run):
+    """`run` (cuBLASLt calls on the current stream) recorded once as a CUDA graph, and a
+    function that launches the graph on the current stream: the per-expert loop without its
+    host time, as a library user would replay it. `run` runs once first, so every plan
+    (heuristic query) is made before the capture."""
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        run()
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            run()
+        finally:
+            graph = stream.end_capture()
+    return lambda: graph.launch(cupy.cuda.get_current_stream())
