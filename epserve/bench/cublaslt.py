@@ -11,7 +11,7 @@ Layouts, in epserve's row-major terms, C [M, N] = A [M, K] @ W [N, K]^T:
 - A: e4m3 [M, K]; its scales [K / 128, M] float32, k-block-major with a pitch of exactly M
   (epserve.ffn.fp8.quantize_rows writes a pitch of M rounded up to 4, equal when 4 | M);
 - W: e4m3 [N, K]; its scales [N / 128, K / 128] float32 (epserve.ffn.fp8.quantize_blocks),
-  which is cuBLASLt's layout when 4 | K / 128;
+  which is cuBLASLt's layout when 4 | K / 128 (weight_scales pads the k-blocks otherwise);
 - C: bf16 [M, N].
 cuBLASLt is column-major, so it computes C^T = W A^T: its A is W (transposed), its B is A."""
 
@@ -167,12 +167,24 @@ def _plan(M: int, N: int, K: int) -> _Plan:
 def gemm_fp8_nt(a_ptr: int, a_scales_ptr: int, w_ptr: int, w_scales_ptr: int, c_ptr: int, M: int, N: int,
                 K: int) -> None:
     """C [M, N] bf16 = (A [M, K] e4m3, 1 x 128 scales [K / 128, M]) @ (W [N, K] e4m3, 128 x 128
-    scales [N / 128, K / 128])^T, on the current stream."""
+    scales [N / 128, round_up(K / 128, 4)]: weight_scales)^T, on the current stream."""
     if M == 0:
         return
-    if K % 512 or N % 128:
-        raise ValueError(f"block-scaled FP8 needs N a multiple of 128 and K of 512 (4 scale blocks); got N {N}, K {K}")
+    if K % 128 or N % 128:
+        raise ValueError(f"block-scaled FP8 needs N and K multiples of 128; got N {N}, K {K}")
     _plan(M, N, K).run(a_ptr, a_scales_ptr, w_ptr, w_scales_ptr, c_ptr)
+
+
+def weight_scales(w_scales):
+    """Weight scales [..., N / 128, K / 128] in cuBLASLt's 128 x 128 layout: the k-blocks of a
+    row of blocks padded to a multiple of 4 ([..., N / 128, round_up(K / 128, 4)]). The same
+    array where 4 | K / 128 (DeepSeek-V3's 7168 and 2048), a padded copy otherwise."""
+    kb = w_scales.shape[-1]
+    if kb % 4 == 0:
+        return w_scales
+    padded = cupy.zeros((*w_scales.shape[:-1], -(-kb // 4) * 4), np.float32)
+    padded[..., :kb] = w_scales
+    return padded
 
 
 # scaled[starts[e] + kb * rows_e + r] = scales[kb, lo_e + r]: row m's expert by binary search.
@@ -238,7 +250,8 @@ def grouped_gemm_fp8(a_q, scaled, starts, w, w_scales, C, offsets_host) -> None:
     if (np.diff(np.asarray(offsets_host)) % ROW_ALIGN).any():
         raise ValueError(f"cuBLASLt's block-scaled GEMM takes rows in multiples of {ROW_ALIGN} per expert "
                          f"(padded_offsets lays them out so)")
-    w_bytes, ws_floats = N * K, (N // 128) * (K // 128)
+    w_scales = weight_scales(w_scales)  # a copy only where 4 does not divide K / 128; callers may pass it done
+    w_bytes, ws_floats = N * K, w_scales.shape[-2] * w_scales.shape[-1]
     for e in range(E):
         lo, hi = int(offsets_host[e]), int(offsets_host[e + 1])
         if hi > lo:

@@ -112,10 +112,7 @@ class LibraryLayer:
         rows[target] = recv_rows
 
         # 5. the experts.
-        h = self._gemm(rows, w13, expert_offsets)
-        act = cupy.empty((M, self.I), BF16)
-        self.swiglu(h, act, self.I)
-        y = self._gemm(act, w2, expert_offsets)
+        y = self._experts(rows, w13, w2, expert_offsets)
 
         # 6. back to the sources, into their slots, weighted and summed.
         back = cupy.empty((n_send, H), BF16)
@@ -123,6 +120,13 @@ class LibraryLayer:
         slots = cupy.empty((T * k, H), np.uint16)
         slots[order[:n_send]] = back.view(np.uint16)
         _weighted_sum_kernel()(slots, topk_weights, topk_idx, k, H, out.view(np.uint16))
+
+    def _experts(self, rows, w13, w2, expert_offsets):
+        """y [M, H] of the expert-contiguous rows [M, H]: GEMM 1, SwiGLU, GEMM 2."""
+        h = self._gemm(rows, w13, expert_offsets)
+        act = cupy.empty((rows.shape[0], self.I), BF16)
+        self.swiglu(h, act, self.I)
+        return self._gemm(act, w2, expert_offsets)
 
     def _gemm(self, A, B, expert_offsets):
         """C [M, N] with C[rows of e] = A[rows of e] @ B[e]^T for every expert e."""
@@ -149,3 +153,44 @@ class LibraryLayer:
         # starting at or before r, which is the non-empty one holding r.
         block = cupy.searchsorted(recv_base, r, side="right") - 1
         return target_base[block] + r - recv_base[block]
+
+
+class LibraryLayerFP8(LibraryLayer):
+    """The same composition for FP8 experts (the -fp8 presets' `layer-library` row), as
+    DeepSeek-V3's recipe runs on cuBLASLt: each expert's rows padded to 16 (what cuBLASLt's
+    block-scaled GEMM takes), quantized 1 x 128 (epserve's row quantizer standing in for the
+    user's: a CuPy one would be slower), cuBLASLt's block-scaled FP8 GEMM per expert
+    (cuBLAS 13.1 has no grouped layout; 13.2 brings one), the CuPy SwiGLU, the act quantized,
+    GEMM 2 the same way. The rows cross the link in bf16: NCCL moves what it is given, and
+    this composition quantizes after the exchange. forward takes epserve.FP8Weights as w13
+    (w2 unused)."""
+
+    def __init__(self, nccl_comm, world: int, num_experts: int, hidden: int, intermediate: int, swiglu):
+        super().__init__(nccl_comm, world, num_experts, hidden, intermediate, swiglu)
+        from epserve.bench import cublaslt
+
+        self.align = cublaslt.ROW_ALIGN
+        self._weights = None  # (FP8Weights, w13 scales, w2 scales in cuBLASLt's layout)
+
+    def _experts(self, rows, fp8w, _unused, expert_offsets):
+        from epserve.bench import cublaslt
+        from epserve.ffn import fp8
+
+        M, H, I = rows.shape[0], self.H, self.I
+        y = cupy.empty((M, H), BF16)
+        if M == 0:
+            return y
+        if self._weights is None or self._weights[0] is not fp8w:
+            self._weights = (fp8w, cublaslt.weight_scales(fp8w.w13_scales), cublaslt.weight_scales(fp8w.w2_scales))
+        _, s13, s2 = self._weights
+        offsets = cupy.asarray(expert_offsets.astype(np.int32))
+        a_q, a_s = fp8.quantize_rows(rows)
+        scaled, starts = cublaslt.scales_by_expert(a_s, expert_offsets, offsets, M)
+        h = cupy.empty((M, 2 * I), BF16)
+        cublaslt.grouped_gemm_fp8(a_q, scaled, starts, fp8w.w13, s13, h, expert_offsets)
+        act = cupy.empty((M, I), BF16)
+        self.swiglu(h, act, I)
+        act_q, act_s = fp8.quantize_rows(act)
+        scaled, starts = cublaslt.scales_by_expert(act_s, expert_offsets, offsets, M)
+        cublaslt.grouped_gemm_fp8(act_q, scaled, starts, fp8w.w2, s2, y, expert_offsets)
+        return y

@@ -9,6 +9,9 @@ bf16 presets' path names, so the report and the baselines read them alike:
   dispatch-direct the FP8 direct dispatch: packed rows, quantized inside its move kernel
   layer-fused    forward, direct dispatch, peer sink
   layer-unfused  forward, NCCL dispatch, null sink
+  layer-library  the layer composed from libraries with cuBLASLt's block-scaled FP8 GEMM per
+                 expert (library_layer.LibraryLayerFP8), where the service has NCCL (one GPU
+                 per rank); checked within bf16 tolerance against layer-unfused
 
 Their FLOPs are the bf16 layer's (the same products); the caller rates the GEMMs against an
 FP8 dense limit measured in the same run (limits.fp8_gemm_rates). The HBM floors keep bf16's
@@ -23,12 +26,22 @@ import cupy
 import numpy as np
 
 from epserve.arrays import BF16
-from epserve.bench import arithmetic
-from epserve.bench.measure import PathResult, _busiest_rank, bitwise_wrong, dispatch_work, point_inputs, time_paths
+from epserve.bench import arithmetic, cublaslt
+from epserve.bench.library_layer import LibraryLayerFP8
+from epserve.bench.measure import (
+    PathResult,
+    _busiest_rank,
+    bitwise_wrong,
+    dispatch_work,
+    library_swiglu,
+    point_inputs,
+    time_paths,
+    tolerance_wrong,
+)
 from epserve.dispatch.host import Dispatcher
 from epserve.ffn import fp8_stage, gemm
 
-PATHS = ("gemm1", "gemm2", "fused", "unfused", "dispatch-direct", "layer-fused", "layer-unfused")
+PATHS = ("gemm1", "gemm2", "fused", "unfused", "dispatch-direct", "layer-fused", "layer-unfused", "layer-library")
 
 
 def _bf16_dispatcher(svc) -> Dispatcher:
@@ -61,7 +74,8 @@ def measure_point_fp8(svc, w13, w2, fp8w, topk_all, seed: int, warmup: int, iter
     comb = svc.combiner
     rows_src = svc._send_plan(direct)
     C = cupy.empty((M, H), BF16)
-    outs = {name: cupy.empty((T, H), BF16) for name in ("fused", "unfused", "layer-fused", "layer-unfused", "bf16")}
+    outs = {name: cupy.empty((T, H), BF16)
+            for name in ("fused", "unfused", "layer-fused", "layer-unfused", "layer-library", "bf16")}
     nccl_path = svc.nccl_path
 
     host_plan = svc._host_plan(idx)  # once (MPI): the unfused baseline over NCCL and the bf16 rows use it
@@ -80,7 +94,13 @@ def measure_point_fp8(svc, w13, w2, fp8w, topk_all, seed: int, warmup: int, iter
         "layer-fused": lambda: svc.forward(x, idx, w, fp8w, None, "peer", "direct", out=outs["layer-fused"]),
         "layer-unfused": lambda: svc.forward(x, idx, w, fp8w, None, "null", "nccl", out=outs["layer-unfused"]),
     }
-    samples, calls = time_paths(comm, runs, PATHS, warmup, iters)
+    paths = PATHS
+    if svc.nccl is None or cublaslt.unavailable() is not None:  # ranks share a GPU, or no cuBLASLt FP8 here
+        paths = tuple(p for p in PATHS if p != "layer-library")
+    else:
+        library = LibraryLayerFP8(svc.nccl, svc.world, cfg.num_experts, H, I, library_swiglu)
+        runs["layer-library"] = lambda: library.forward(x, idx, w, fp8w, None, outs["layer-library"])
+    samples, calls = time_paths(comm, runs, paths, warmup, iters)
     svc.check()
 
     # The bf16 layer on the same routing: the tokens' bf16 rows in the dispatch's order (the
@@ -103,6 +123,8 @@ def measure_point_fp8(svc, w13, w2, fp8w, topk_all, seed: int, warmup: int, iter
         "dispatch-direct": None,
         "layer-fused": bitwise_wrong(outs["layer-fused"], outs["layer-unfused"]),
         "layer-unfused": None,
+        "layer-library": (tolerance_wrong(outs["layer-library"], outs["layer-unfused"], f"layer-library, {T} tokens/rank")
+                          if "layer-library" in paths else None),
     }
     work = {
         "gemm1": arithmetic.gemm1_work(counts, H, I),
@@ -112,8 +134,9 @@ def measure_point_fp8(svc, w13, w2, fp8w, topk_all, seed: int, warmup: int, iter
         "dispatch-direct": dispatch_work(counts, fp8_stage.dispatch_width(H), dedup=True),  # packed FP8 rows
         "layer-fused": arithmetic.layer_work(counts, H, I, dedup_dispatch=True),
         "layer-unfused": arithmetic.layer_work(counts, H, I, dedup_dispatch=nccl_path is not None),
+        "layer-library": arithmetic.layer_work(counts, H, I, dedup_dispatch=False),
     }
     results = [PathResult(p, samples[p], work[p], None if wrong[p] is None else comm.allreduce(wrong[p]),
                           *_busiest_rank(comm, calls[p]))
-               for p in PATHS]
+               for p in paths]
     return results, err_vs_bf16

@@ -15,14 +15,18 @@ ROOT = Path(__file__).resolve().parents[2]
 # The paths the benchmark compares with a reference (#wrong): bitwise with the unfused output or
 # dispatch, within bf16 tolerance for the cuBLAS library paths.
 CHECKED_PATHS = ("fused", "library", "dispatch-direct", "layer-fused", "layer-library")
-# The -fp8 presets (epserve/bench/measure_fp8.py) have no library baseline: no FP8 grouped GEMM
-# is reachable from CuPy. Their checked paths are epserve's own: fused and layer-fused bitwise
-# against the unfused ones, GEMM 1 against its own rerun.
+# The -fp8 presets (epserve/bench/measure_fp8.py): fused and layer-fused bitwise against the
+# unfused ones, GEMM 1 against its own rerun, and, where the ranks have NCCL (a GPU each), the
+# library layer on cuBLASLt's block-scaled FP8 GEMM within bf16 tolerance.
 CHECKED_PATHS_FP8 = ("gemm1", "fused", "layer-fused")
 
 
-def checked_paths(preset: str) -> tuple:
-    return CHECKED_PATHS_FP8 if preset.endswith("-fp8") else CHECKED_PATHS
+def checked_paths(preset: str, share_gpu: bool = True) -> tuple:
+    if preset.endswith("-fp8"):
+        return CHECKED_PATHS_FP8 + (() if share_gpu else ("layer-library",))
+    return CHECKED_PATHS
+
+
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
 
@@ -42,7 +46,7 @@ def test_quick_bench_of_every_preset(tmp_path, share_gpu):
     run = json.loads((tmp_path / "bench.json").read_text())
     seen = {(r["preset"]["name"].split("/")[0], r["path"]) for r in run["rows"] if r["timing"] is not None}
     for name in PRESETS:
-        for path in ("unfused", "gemm2", "dispatch-direct", *checked_paths(name)):
+        for path in ("unfused", "gemm2", "dispatch-direct", *checked_paths(name, share_gpu)):
             assert (name, path) in seen, (name, path)
         if not share_gpu and not name.endswith("-fp8"):  # the FP8 presets time epserve's paths only
             assert (name, "alltoall") in seen, name
@@ -54,6 +58,6 @@ def test_quick_bench_of_every_preset(tmp_path, share_gpu):
     assert epserve_paths and all(r["mpi_calls"] == 0 for r in epserve_paths)
     # Every point of a checked path was checked, and found right; None would mean unchecked.
     checked = [r for r in run["rows"]
-               if r["path"] in checked_paths(r["preset"]["name"].split("/")[0]) + ("layer-torch",)]  # torch: where importable
+               if r["path"] in checked_paths(r["preset"]["name"].split("/")[0], share_gpu) + ("layer-torch",)]  # torch: where importable
     assert checked and all(r["wrong"] == 0 for r in checked), [(r["path"], r["wrong"]) for r in checked]
     assert len(list(tmp_path.glob("*.png"))) >= len(PRESETS) + 1

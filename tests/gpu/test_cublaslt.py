@@ -57,16 +57,6 @@ def test_scales_by_expert_layout():
         assert np.array_equal(block, s[:, off[e]:off[e] + r])
 
 
-def test_padded_layout():
-    from epserve.bench import cublaslt
-
-    off = _offsets([1, 0, 16, 17, 33])
-    padded = cublaslt.padded_offsets(off)
-    assert padded.tolist() == [0, 16, 16, 32, 64, 112]
-    at = cublaslt.padded_positions(off, padded)
-    assert at.tolist() == [0] + list(range(16, 32)) + list(range(32, 49)) + list(range(64, 97))
-
-
 @pytest.mark.parametrize("rows,N,K", [
     ([16, 0, 128, 48, 256], 256, 512),
     ([64, 80, 304], 384, 1024),
