@@ -29,8 +29,9 @@ _NO_PEERS = launch_arg(np.zeros(1, PEER_SEND_CONFIG))
 # Builds of the FP8 GEMM that differ in how tiles are computed, never in the bits
 # (cuda/gemm/grouped_gemm_fp8.cu, top of the file, says what each knob does and why): name ->
 # defines, each naming every knob it sets. The shipped variants (runtime/kernels.py) are
-# "split" for GEMM 2 and "split+overlap" for GEMM 1, the fastest at dsv3-prefill's balanced
-# routing on one H200 (notes/gemm.md); "plain" is the build without either.
+# "split" for both GEMMs, the fastest at dsv3-prefill's balanced and uniform routings and on
+# a dense problem on one H200 (notes/gemm.md, ninth session: GEMM 1 had shipped
+# "split+overlap", 4-5% slower there); "plain" is the build without either.
 # launch/jobs/time_gemm_fp8.py --variants times them against the shipped ones,
 # tests/gpu/test_gemm_fp8.py holds each to the shipped build's bits, tests/cpu/test_build.py
 # compiles them. Names with "n128" are GEMM 2's only (the kernel refuses them with SwiGLU).
@@ -42,7 +43,7 @@ KNOBS: dict[str, dict[str, int]] = {
     "n128": {**_PLAIN, "EPSERVE_GEMM_FP8_BN": 128},
     "n128+overlap": {**_PLAIN, "EPSERVE_GEMM_FP8_BN": 128, "EPSERVE_GEMM_FP8_OVERLAP": 1},
 }
-SHIPPED = {"gemm_fp8_null": "split", "gemm_fp8_peer": "split", "gemm1_fp8_swiglu": "split+overlap"}
+SHIPPED = {"gemm_fp8_null": "split", "gemm_fp8_peer": "split", "gemm1_fp8_swiglu": "split"}
 
 
 def knob_applies(base: str, knob: str) -> bool:

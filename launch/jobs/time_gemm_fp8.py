@@ -64,7 +64,7 @@ def main():
           f"{preset.num_experts} over {args.ranks} ranks, {preset.tokens_per_rank} tokens/rank, top-{preset.top_k}")
     print(f"{'routing':<12}{'GEMM':<8}{'path':>34}{'ms':>9}{'TFLOP/s':>9}{'weights GB/s':>13}{'check':>11}")
     dense(rs, 8192)
-    dense_fp8(rs, 8192)
+    dense_fp8(rs, 8192, args)
     w13 = (rs.standard_normal((E, 2 * I, H), dtype=np.float32) / np.sqrt(H)).astype(BF16)
     w2 = (rs.standard_normal((E, H, I), dtype=np.float32) / np.sqrt(I)).astype(BF16)
     weights = fp8.quantize_weights(w13, w2)
@@ -77,20 +77,29 @@ def main():
         gemm2(rs, spec, offsets_host, w2, weights, H, I, args)
 
 
-def dense_fp8(rs, n):
-    """Our FP8 GEMM as a dense one (a single expert of n rows, n x n weights), and cuBLASLt's
-    block-scaled FP8 GEMM on the same operands where it is reachable (checked against ours)."""
+def dense_fp8(rs, n, args):
+    """Our FP8 GEMM as a dense one (a single expert of n rows, n x n weights), its knob builds
+    with --variants (each checked bit for bit against it), and cuBLASLt's block-scaled FP8
+    GEMM on the same operands where it is reachable (checked against ours)."""
     a_q, a_s = fp8.quantize_rows(rs.standard_normal((n, n), dtype=np.float32).astype(BF16))
     b_q, b_s = fp8.quantize_blocks((rs.standard_normal((1, n, n), dtype=np.float32) / np.sqrt(n)).astype(BF16))
     c, c_lt = cupy.empty((n, n), BF16), cupy.empty((n, n), BF16)
     offsets = cupy.asarray(np.array([0, n], np.int32))
     runs = {"fp8": lambda: gemm_fp8.grouped_gemm_fp8("null", a_q, a_s, b_q, b_s, c, offsets, 1, n, n)}
+    knob_out = {}
+    for knob, name in knob_builds("gemm_fp8_null", args):
+        out = knob_out[knob] = cupy.empty((n, n), BF16)
+        specs = gemm_fp8._specs(name, a_q, a_s, b_q, b_s, n, out, None, offsets, 1, n, n, gemm_fp8._NO_PEERS, 0)
+        runs[knob] = lambda specs=specs: gemm_fp8.run(specs)
     why_not = cublaslt.unavailable()
     if why_not is None:
         runs["cublaslt"] = lambda: cublaslt.gemm_fp8_nt(a_q.data.ptr, a_s.data.ptr, b_q.data.ptr, b_s.data.ptr,
                                                         c_lt.data.ptr, n, n, n)
     times = interleaved_ms(runs, 2, 10)
     row("-", "dense", f"FP8 GEMM (ours) {n}^3", times["fp8"], 2 * n**3, 0)
+    for knob, out in knob_out.items():
+        same = bool((out.view(np.uint16) == c.view(np.uint16)).all())
+        row("-", "dense", f"ours, {knob}", times[knob], 2 * n**3, 0, "bitwise" if same else "DIFFER")
     if why_not is None:
         row("-", "dense", f"cuBLASLt FP8 {n}^3", times["cublaslt"], 2 * n**3, 0, rel_diff(c_lt, c))
     else:
