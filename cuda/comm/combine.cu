@@ -84,10 +84,15 @@ __device__ __forceinline__ void poison_tokens(bf16_t* out, int T, int H) {
       *reinterpret_cast<uint4*>(out + static_cast<long long>(t) * H + c) = nan;
 }
 
-// One block per token at a time; each thread owns 8 consecutive columns (16 bytes).
+// One block per token at a time; each thread owns 8 consecutive columns (16 bytes). A thread
+// loads all of its chunk's k slot rows before it adds any (up to kMaxTopK 16-byte loads in
+// flight, not one): the reduction reads k rows per output row, and with one load in flight
+// a thread waited out each one's latency in turn. The sum is unchanged: used slots only, j
+// ascending, fp32, rounded once.
 // wait = 0 when the rows came by stream-ordered copies (NCCL) and no counter is involved.
 // arrive and expected are this rank's per-sender arrays [world]. status (or null) is the
 // call status: a call that failed earlier, or whose wait here runs out, poisons out.
+constexpr int kMaxTopK = 16;  // MoEConfig's bound on top_k (src_info keeps j in 4 bits)
 extern "C" __global__ void epserve_combine_reduce(const bf16_t* __restrict__ recv, const int* __restrict__ topk_idx,
                                                   const float* __restrict__ topk_weights, bf16_t* __restrict__ out,
                                                   int T, int k, int H, int world, const unsigned long long* arrive,
@@ -116,19 +121,34 @@ extern "C" __global__ void epserve_combine_reduce(const bf16_t* __restrict__ rec
     return;
   }
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
+    // The token's used slots (a bit each) and their weights, read once for all its chunks.
+    unsigned used = 0;
+    float w[kMaxTopK];
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) {
+      w[j] = 0.f;
+      if (j < k && topk_idx[t * k + j] >= 0) {
+        used |= 1u << j;
+        w[j] = topk_weights[t * k + j];
+      }
+    }
+    const bf16_t* rows = recv + static_cast<long long>(t) * k * H;
     for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
+      uint4 v[kMaxTopK];
+#pragma unroll
+      for (int j = 0; j < kMaxTopK; ++j)
+        if (used & (1u << j)) v[j] = ld_cg_v4(rows + static_cast<long long>(j) * H + c);
       float acc[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] = 0.f;
-      for (int j = 0; j < k; ++j) {
-        if (topk_idx[t * k + j] < 0) continue;
-        const float w = topk_weights[t * k + j];
-        const uint4 v = ld_cg_v4(recv + (static_cast<long long>(t) * k + j) * H + c);
-        const uint32_t p[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int j = 0; j < kMaxTopK; ++j) {
+        if (!(used & (1u << j))) continue;
+        const uint32_t p[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(w, bf16_lo(p[i])));
-          acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(w, bf16_hi(p[i])));
+          acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(w[j], bf16_lo(p[i])));
+          acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(w[j], bf16_hi(p[i])));
         }
       }
       uint4 o;
