@@ -1,7 +1,7 @@
 """The combine's arm launch (epserve/combine/launchers.py), without a GPU: its block is the
 kernel's own size, and the kernel, compiled, is bounded to that size (a launch with more
 threads fails; with fewer, slots go uncounted and the reduction waits for rows that never
-come)."""
+come). And the reduction's register array of slot rows holds every top_k a config allows."""
 
 import pathlib
 import re
@@ -29,3 +29,13 @@ def test_arm_kernel_bounded_to_its_block(tmp_path, monkeypatch):
     entry = ptx[ptx.index(".entry epserve_combine_arm("):]
     head = entry[:entry.index("{")]
     assert f".maxntid {launchers.COMBINE_ARM_THREADS}, 1, 1" in head
+
+
+def test_reduction_holds_every_slot_a_config_allows():
+    """The reduction keeps a token's slot rows in registers, kMaxTopK of them: every top_k
+    MoEConfig accepts must fit, or slots past kMaxTopK would be dropped from the sum."""
+    from epserve.config import MAX_SLOTS
+
+    match = re.search(r"constexpr int kMaxTopK = (\d+);", SOURCE.read_text())
+    assert match
+    assert int(match.group(1)) >= MAX_SLOTS
