@@ -16,8 +16,9 @@ ranks share one GPU the times are not performance (no link is crossed).
 The -fp8 presets (dsv3-prefill-fp8, dsv3-decode-fp8) run the service with FP8 experts
 (epserve/bench/measure_fp8.py): their GEMM shares are of an FP8 dense limit measured in the
 same run (the faster of our FP8 GEMM and cuBLASLt's block-scaled one at 8192^3, both printed in
-a line of their own), and a line per point reports
-the FP8 layer's relative error against the bf16 layer (not asserted).
+a line of their own); their library baseline is `layer-library` on cuBLASLt's block-scaled
+FP8 GEMM per expert (epserve/bench/cublaslt.py, where ranks have NCCL); and a line per point
+reports the FP8 layer's relative error against the bf16 layer (not asserted).
 """
 
 from __future__ import annotations
