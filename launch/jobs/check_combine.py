@@ -43,6 +43,8 @@ CASES = [
     ("k4-skewed", [300, 257], 384, 192, 8, 4, dict(zipf=3.0)),
     ("rank-without-tokens", [0, 70], 256, 64, 4, 2, dict()),
     ("k8-larger", [1000, 777], 1024, 512, 32, 8, dict(unused=0.05, zipf=1.0)),
+    # the largest top_k MoEConfig accepts: every slot row the reduction keeps in registers
+    ("k16-max", [90, 61], 256, 128, 32, 16, dict(unused=0.1)),
 ]
 QUICK = {"k2-small", "k1-half-tile", "k8-empty-experts"}
 
