@@ -84,6 +84,8 @@ __device__ __forceinline__ void poison_tokens(bf16_t* out, int T, int H) {
       *reinterpret_cast<uint4*>(out + static_cast<long long>(t) * H + c) = nan;
 }
 
+constexpr int kMaxTopK = 16;  // MoEConfig's bound on top_k (src_info keeps j in 4 bits)
+
 // One block per token at a time; each thread owns 8 consecutive columns (16 bytes). A thread
 // loads all of its chunk's k slot rows before it adds any (up to kMaxTopK 16-byte loads in
 // flight, not one): the reduction reads k rows per output row, and with one load in flight
@@ -92,7 +94,6 @@ __device__ __forceinline__ void poison_tokens(bf16_t* out, int T, int H) {
 // wait = 0 when the rows came by stream-ordered copies (NCCL) and no counter is involved.
 // arrive and expected are this rank's per-sender arrays [world]. status (or null) is the
 // call status: a call that failed earlier, or whose wait here runs out, poisons out.
-constexpr int kMaxTopK = 16;  // MoEConfig's bound on top_k (src_info keeps j in 4 bits)
 extern "C" __global__ void epserve_combine_reduce(const bf16_t* __restrict__ recv, const int* __restrict__ topk_idx,
                                                   const float* __restrict__ topk_weights, bf16_t* __restrict__ out,
                                                   int T, int k, int H, int world, const unsigned long long* arrive,
