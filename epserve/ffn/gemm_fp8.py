@@ -18,7 +18,7 @@ import numpy as np
 
 from epserve.ffn.fp8 import _i64
 from epserve.ffn.gemm import _gemm_kernel, _tile_counter, peer_variant, run
-from epserve.runtime import sass_yield, tma
+from epserve.runtime import tma
 from epserve.runtime.kernel_structs import PEER_SEND_CONFIG, i32, launch_arg
 from epserve.runtime.launch import NULL, module_int, sm_count
 
@@ -42,9 +42,6 @@ KNOBS: dict[str, dict[str, int]] = {
     "split+overlap": {"EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_OVERLAP": 1},
     "n128": {**_PLAIN, "EPSERVE_GEMM_FP8_BN": 128},
     "n128+overlap": {**_PLAIN, "EPSERVE_GEMM_FP8_BN": 128, "EPSERVE_GEMM_FP8_OVERLAP": 1},
-    # the shipped build with its promotions' FFMAs made to yield to the other warpgroup
-    # (a step on the cubin: epserve/runtime/sass_yield.py)
-    "split+yield": {**_PLAIN, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, sass_yield.DEFINE: 1},
 }
 SHIPPED = {"gemm_fp8_null": "split", "gemm_fp8_peer": "split", "gemm1_fp8_swiglu": "split"}
 

@@ -24,7 +24,6 @@ from pathlib import Path
 
 from epserve import __version__
 from epserve.errors import BuildError
-from epserve.runtime import sass_yield
 
 # A file only epserve's kernel tree has: beside an installed epserve, ../cuda is
 # cuda-python's package, not ours.
@@ -129,11 +128,6 @@ def compile_source(source: str, defines: dict[str, object] | None = None, extra_
         return Artifact(key, cubin, ptx, log.read_text() if log.is_file() else "")
 
     cubin_bytes, ptx_bytes, log_text = _nvrtc_compile(source, files, opts)
-    if (defines or {}).get(sass_yield.DEFINE):
-        cubin_bytes, changed = sass_yield.yield_ffma_runs(cubin_bytes)
-        if not changed:
-            raise BuildError(f"{source}: {sass_yield.DEFINE} found no FFMA run to patch (a new SASS encoding?)")
-        log_text += f"\n{sass_yield.DEFINE}: {changed} FFMAs made to yield\n"
     out.mkdir(parents=True, exist_ok=True)
     # ptx and log first: a present cubin means the whole entry is there.
     for path, data in ((ptx, ptx_bytes), (log, log_text.encode()), (cubin, cubin_bytes)):
