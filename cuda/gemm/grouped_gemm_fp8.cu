@@ -35,7 +35,6 @@
 #include "common/ptx.cuh"
 #include "ffn/swiglu_quantize.cuh"
 #include "gemm/block_scaled_mma.cuh"
-#include "gemm/pair_tile_scheduler.cuh"
 #include "gemm/tile_scheduler.cuh"
 #include "sinks/ep_peer_sink.cuh"
 #if defined(EPSERVE_SINK_BULK) && EPSERVE_SINK_BULK  // the bulk-copy send warps (EPSERVE_SINK_STORES=bulk)
@@ -100,31 +99,8 @@
 //   (64 each) fit where the 128 x 256 tile's sum (128) and one part do. Same bits: the same
 //   wgmmas into a fresh part, the same promotion fma, k-blocks promoted in the same order;
 //   only the time at which each is issued moves.
-// - EPSERVE_GEMM_FP8_PAIRS=1: CTA pairs (2-CTA clusters) share one operand by TMA multicast
-//   (gemm/pair_tile_scheduler.cuh: an expert's m-tiles in pairs share the weight tile B, each
-//   CTA loading one 128-row half of it into both; an expert's odd last m-tile is taken by
-//   both CTAs at neighbouring n-tiles, sharing A). The grouped GEMMs are bound by L2 reads
-//   (82-90% of the L2's throughput, notes/gemm.md) at a power-bound clock; B shared by an
-//   m-pair cuts a third of the reads of its tiles. Unlike the earlier pair builds, each CTA
-//   keeps its own producer, ring and scheduler (the items are handed out statically, so both
-//   know the sequence), and no CTA idles on an odd m-tile. A stage is freed when both CTAs'
-//   consumers are done with it (either CTA's loads land in both). Same bits: each tile is
-//   computed by the same instructions from the same bytes.
 #ifndef EPSERVE_GEMM_FP8_SPLIT_TAILS
 #define EPSERVE_GEMM_FP8_SPLIT_TAILS 0
-#endif
-#ifndef EPSERVE_GEMM_FP8_PAIRS
-#define EPSERVE_GEMM_FP8_PAIRS 0
-#endif
-// EPSERVE_GEMM_FP8_PAIRS_SHARE=0 (a diagnostic of the pairs' cost): the pairs' schedule and
-// cluster launch, but every CTA loads all of its own operands and frees its own stages.
-#ifndef EPSERVE_GEMM_FP8_PAIRS_SHARE
-#define EPSERVE_GEMM_FP8_PAIRS_SHARE 1
-#endif
-// EPSERVE_GEMM_FP8_PAIRS_CLUSTER=0 (with PAIRS_SHARE=0 only): not even a cluster launch; CTAs
-// 2c and 2c + 1 walk pair c's items as a pair's CTAs would.
-#ifndef EPSERVE_GEMM_FP8_PAIRS_CLUSTER
-#define EPSERVE_GEMM_FP8_PAIRS_CLUSTER 1
 #endif
 #ifndef EPSERVE_GEMM_FP8_BN
 #define EPSERVE_GEMM_FP8_BN 256
@@ -161,14 +137,8 @@ constexpr int kHalfN = 128;  // columns of one part, and of one weight scale blo
 constexpr int kOutCols = kSwiGLU ? kBN / 2 : kBN;
 constexpr int kConsumers = 2, kConsumerThreads = 128 * kConsumers;
 constexpr bool kReleaseByWarpgroup = EPSERVE_GEMM_FP8_RELEASE_BY_WARPGROUP != 0;
-constexpr bool kPairs = EPSERVE_GEMM_FP8_PAIRS != 0;
-constexpr int kCluster = kPairs ? 2 : 1;
-constexpr bool kShare = kPairs && EPSERVE_GEMM_FP8_PAIRS_SHARE != 0;
-constexpr bool kClusterLaunch = kPairs && EPSERVE_GEMM_FP8_PAIRS_CLUSTER != 0;
-static_assert(kClusterLaunch || !kShare, "EPSERVE_GEMM_FP8_PAIRS_CLUSTER=0 needs EPSERVE_GEMM_FP8_PAIRS_SHARE=0");
-// The arrivals that free a stage: one per consumer warp (the consumers' `release` says why),
-// of each CTA whose loads land in it.
-constexpr int kStageReleases = (kReleaseByWarpgroup ? kConsumers : kConsumerThreads / 32) * (kShare ? 2 : 1);
+// The arrivals that free a stage: one per consumer warp (the consumers' `release` says why).
+constexpr int kStageReleases = kReleaseByWarpgroup ? kConsumers : kConsumerThreads / 32;
 constexpr int kThreads = 128 * (kConsumers + 1);
 constexpr int kProducerWarpgroup = kConsumers;
 constexpr bool kSendWarps = Sink::kSendWarps > 0;
@@ -191,11 +161,6 @@ constexpr int kLoads = EPSERVE_GEMM_FP8_TMA_LOADS;
 static_assert(kLoads >= 0 && kLoads <= 7, "EPSERVE_GEMM_FP8_TMA_LOADS: bit 0 A, bit 1 A's scales, bit 2 B");
 constexpr bool kLoadA = kLoads & 1, kLoadScales = kLoads & 2, kLoadB = kLoads & 4;
 constexpr bool kMma = EPSERVE_GEMM_FP8_MMA != 0;
-static_assert(!kPairs || (kLoads == 7 && !kReleaseByWarpgroup && EPSERVE_GEMM_FP8_CHECK_TMA == 0),
-              "EPSERVE_GEMM_FP8_PAIRS: not with the diagnostic builds");
-// B's TMA box: a pair's half of a stage; else a SwiGLU stage's gate or up half (128 rows),
-// or GEMM 2's whole stage.
-constexpr int kBBoxRows = kPairs ? kBN / 2 : kSwiGLU ? 128 : kBN;
 constexpr bool kCheckTma = EPSERVE_GEMM_FP8_CHECK_TMA != 0;
 constexpr bool kUnalignedScales = EPSERVE_GEMM_FP8_UNALIGNED_SCALES != 0;
 constexpr bool kSplitTails = EPSERVE_GEMM_FP8_SPLIT_TAILS != 0 && kBN == 256;  // (a 128-wide tile has one half)
@@ -233,11 +198,7 @@ constexpr int kFitStages = (kSmemLimit - kStaticSmem - OutTile::kBytes - kTailBy
 constexpr int kStages = kFitStages < kMaxStages ? kFitStages : kMaxStages;
 static_assert(kStages >= 2, "shared memory");
 constexpr int kSmemBytes = kStages * kStageBytes + OutTile::kBytes + kTailBytes;
-#if EPSERVE_GEMM_FP8_PAIRS
-using Scheduler = PairTileScheduler<kBM, kOutCols, EPSERVE_GROUP_N>;
-#else
 using Scheduler = GroupedTileScheduler<kBM, kOutCols, EPSERVE_GROUP_N>;
-#endif
 
 struct alignas(64) TensorMap {
   unsigned long long opaque[16];
@@ -302,8 +263,7 @@ __device__ __forceinline__ void stage_load(const char* what, void* dst, const Te
 extern "C" __constant__ int epserve_gemm_smem_bytes = kSmemBytes;
 extern "C" __constant__ int epserve_gemm_threads = kThreads;
 extern "C" __constant__ int epserve_gemm_stages = kStages;
-extern "C" __constant__ int epserve_gemm_b_box_rows = kBBoxRows;  // the rows of B's TMA box
-extern "C" __constant__ int epserve_gemm_cluster = kCluster;  // CTAs a cluster: the grid is a multiple of it
+extern "C" __constant__ int epserve_gemm_b_box_rows = kSwiGLU ? kBN / 2 : kBN;  // the rows of B's TMA box
 extern "C" __constant__ int epserve_gemm_scale_box_cols = kScaleBox;  // the columns (floats) of A's scale box
 
 // map_a: A [M, K] e4m3 in 64-row x 128-byte boxes; map_sa: A's scales [K / 128, >= M] fp32
@@ -312,12 +272,7 @@ extern "C" __constant__ int epserve_gemm_scale_box_cols = kScaleBox;  // the col
 // N and K multiples of 128. C: bf16 [M, N] (null sink; may be null with the peer sink), or
 // with SwiGLU e4m3 [M, N] and c_scales [N / 128, c_scale_ld]. tile_counter: two ints, zero
 // at launch and zero again when the kernel ends (the last CTA resets them).
-#if EPSERVE_GEMM_FP8_PAIRS && EPSERVE_GEMM_FP8_PAIRS_CLUSTER
-#define EPSERVE_GEMM_FP8_CLUSTER_DIMS __cluster_dims__(2, 1, 1)
-#else
-#define EPSERVE_GEMM_FP8_CLUSTER_DIMS
-#endif
-extern "C" __global__ void EPSERVE_GEMM_FP8_CLUSTER_DIMS __launch_bounds__(kThreads, 1)
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
     epserve_grouped_gemm_fp8(const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_sa,
                              const __grid_constant__ TensorMap map_b, const float* __restrict__ b_scales,
                              void* __restrict__ C, float* __restrict__ c_scales, long long c_scale_ld,
@@ -345,9 +300,6 @@ extern "C" __global__ void EPSERVE_GEMM_FP8_CLUSTER_DIMS __launch_bounds__(kThre
   }
   Scheduler sched;
   sched.init(expert_offsets, num_experts, N, mtile_prefix);  // its __syncthreads publishes the barriers too
-  // A pair's CTAs arrive on and load into each other's barriers and ring: both initialised first.
-  const uint32_t rank = kClusterLaunch ? cluster_ctarank() : blockIdx.x & 1, peer = rank ^ 1;
-  if constexpr (kClusterLaunch) cluster_sync();
   const int k_blocks = K / kBK;
   const int b_rows = kSwiGLU ? 2 * N : N;  // B rows per expert
   // Read through a shuffle so the compiler knows it is warp-uniform (the bf16 kernel says why).
@@ -388,52 +340,6 @@ extern "C" __global__ void EPSERVE_GEMM_FP8_CLUSTER_DIMS __launch_bounds__(kThre
     if (threadIdx.x % 128 == 0) {
       int stage = 0;
       uint32_t phase = 0;
-#if EPSERVE_GEMM_FP8_PAIRS
-      // A pair's producers: the items of cluster c are c, c + clusters, ...; both CTAs walk the
-      // same stages in the same order, so a multicast lands in the stage its partner expects.
-      const int clusters = static_cast<int>(gridDim.x) / 2;
-      for (int index = static_cast<int>(blockIdx.x) / 2; index < sched.total_items; index += clusters) {
-        const PairTile p = sched.tile(index, rank);
-        const GroupedTile& t = p.t;
-        const int a_boxes = p.m_rows > 64 ? 2 : 1;  // of this CTA's m-tile, or the lone item's shared one
-        const int b_row = t.expert * b_rows + t.n_abs;
-        // Every byte that lands in this CTA's stage, whichever CTA loads it.
-        const uint32_t bytes = a_boxes * kHalfA + (p.idle ? 0 : kStageB) + kScaleBoxBytes;
-        for (int kt = 0; kt < k_blocks; ++kt) {
-          mbarrier_wait(&empty[stage], phase ^ 1);  // both CTAs' consumer warps are done with the stage
-          if (kt == 0) stage_tile[stage] = index;
-          mbarrier_expect_tx(&full[stage], bytes);
-          unsigned char* a = ring_a + stage * kStageA;
-          unsigned char* b = ring_b + stage * kStageB;
-          if (!kShare) {
-            for (int h = 0; h < a_boxes; ++h) tma_load_2d(a + h * kHalfA, &map_a, &full[stage], kt * kBK, t.m_abs + 64 * h);
-            if (!p.idle) {
-              tma_load_2d(b, &map_b, &full[stage], kt * kBK, b_row);
-              tma_load_2d(b + kStageB / 2, &map_b, &full[stage], kt * kBK, b_row + (kSwiGLU ? N : kBBoxRows));
-            }
-          } else if (p.shares_b) {  // own A; B's half `rank` (the gate or up rows, or half of GEMM 2's) into both
-            for (int h = 0; h < a_boxes; ++h) tma_load_2d(a + h * kHalfA, &map_a, &full[stage], kt * kBK, t.m_abs + 64 * h);
-            tma_load_2d_multicast(b + rank * (kStageB / 2), &map_b, &full[stage], kt * kBK,
-                                  b_row + rank * (kSwiGLU ? N : kBBoxRows), 0x3);
-          } else {  // A's half `rank` into both (a tail's one box: the first CTA's); own B
-            if (static_cast<int>(rank) < a_boxes)
-              tma_load_2d_multicast(a + rank * kHalfA, &map_a, &full[stage], kt * kBK, t.m_abs + 64 * rank, 0x3);
-            if (!p.idle) {
-              tma_load_2d(b, &map_b, &full[stage], kt * kBK, b_row);
-              tma_load_2d(b + kStageB / 2, &map_b, &full[stage], kt * kBK, b_row + (kSwiGLU ? N : kBBoxRows));
-            }
-          }
-          tma_load_2d(ring_sa + stage * (kStageScales / 4), &map_sa, &full[stage], scale_box_col(t.m_abs), kt);
-          if (++stage == kStages) {
-            stage = 0;
-            phase ^= 1;
-          }
-        }
-      }
-      mbarrier_wait(&empty[stage], phase ^ 1);
-      stage_tile[stage] = -1;
-      mbarrier_expect_tx(&full[stage], 0);
-#else
       for (;;) {
         const int index = atomicAdd(tile_counter, 1);
         if (index >= sched.total_tiles) {
@@ -475,7 +381,6 @@ extern "C" __global__ void EPSERVE_GEMM_FP8_CLUSTER_DIMS __launch_bounds__(kThre
           }
         }
       }
-#endif
     }
   } else {
     setmaxnreg_inc<kConsumerRegs>();
@@ -496,10 +401,7 @@ extern "C" __global__ void EPSERVE_GEMM_FP8_CLUSTER_DIMS __launch_bounds__(kThre
         if (tid % 128 == 0) mbarrier_arrive(&empty[s]);
       } else {
         __syncwarp();
-        if (lane == 0) {
-          mbarrier_arrive(&empty[s]);
-          if constexpr (kShare) mbarrier_arrive_remote(&empty[s], peer);  // its loads land here too
-        }
+        if (lane == 0) mbarrier_arrive(&empty[s]);
       }
     };
     int stage = 0;
@@ -518,14 +420,7 @@ extern "C" __global__ void EPSERVE_GEMM_FP8_CLUSTER_DIMS __launch_bounds__(kThre
       mbarrier_wait(&full[stage], phase);  // the tile's first stage (the k-loop's wait returns at once)
       const int index = stage_tile[stage];
       if (index < 0) break;
-#if EPSERVE_GEMM_FP8_PAIRS
-      const PairTile pair_tile = sched.tile(index, rank);
-      const GroupedTile t = pair_tile.t;
-      const bool idle = pair_tile.idle;  // a lone item's missing second n-tile: the stages are freed, nothing else
-#else
       const GroupedTile t = sched.tile(index);
-      constexpr bool idle = false;
-#endif
       // The weight scale rows of the tile's two halves: the gate block and its up block, or
       // two neighbouring blocks; GEMM 2's last tile may have no second half.
       const bool second_half = kSwiGLU || (kBN == 256 && t.n_abs + kHalfN < N);
@@ -541,7 +436,7 @@ extern "C" __global__ void EPSERVE_GEMM_FP8_CLUSTER_DIMS __launch_bounds__(kThre
       const bool split = kSplitTails && t.rows <= 64;
       const bool one_half = kBN == 128 || split;
       const int srow = warp * 16 + lane / 4;
-      const bool computes = !idle && (split ? (warpgroup == 0 || second_half) : warpgroup * 64 < t.rows);
+      const bool computes = split ? (warpgroup == 0 || second_half) : warpgroup * 64 < t.rows;
       if (one_half && computes) {
         const int hrow = split ? srow : row;
         const int a_off = split ? 0 : warpgroup * kHalfA;  // the stage's first 64 rows of A are its only box
@@ -639,7 +534,6 @@ extern "C" __global__ void EPSERVE_GEMM_FP8_CLUSTER_DIMS __launch_bounds__(kThre
         }
       }
 
-      if (idle) continue;
       if constexpr (Sink::kEnabled) {
         if (gate < 0) continue;  // the peer sink gated off: the math alone
       }
@@ -693,6 +587,4 @@ extern "C" __global__ void EPSERVE_GEMM_FP8_CLUSTER_DIMS __launch_bounds__(kThre
       CMailbox::shutdown(mailbox, tile_pending, tid);
     }
   }
-  // A CTA's shared memory must outlive its partner's last arrivals on its barriers.
-  if constexpr (kClusterLaunch) cluster_sync();
 }

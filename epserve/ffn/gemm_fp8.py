@@ -42,17 +42,6 @@ KNOBS: dict[str, dict[str, int]] = {
     "split+overlap": {"EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_OVERLAP": 1},
     "n128": {**_PLAIN, "EPSERVE_GEMM_FP8_BN": 128},
     "n128+overlap": {**_PLAIN, "EPSERVE_GEMM_FP8_BN": 128, "EPSERVE_GEMM_FP8_OVERLAP": 1},
-    "split+pairs": {**_PLAIN, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_PAIRS": 1},
-    "split+pairs-unshared": {**_PLAIN, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_PAIRS": 1,
-                             "EPSERVE_GEMM_FP8_PAIRS_SHARE": 0},
-    "split+pairs-unclustered": {**_PLAIN, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_PAIRS": 1,
-                                "EPSERVE_GEMM_FP8_PAIRS_SHARE": 0, "EPSERVE_GEMM_FP8_PAIRS_CLUSTER": 0},
-    "split+g2": {**_PLAIN, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GROUP_N": 2},
-    "split+g8": {**_PLAIN, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GROUP_N": 8},
-    "split+g16": {**_PLAIN, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GROUP_N": 16},
-    "n128+pairs": {**_PLAIN, "EPSERVE_GEMM_FP8_BN": 128, "EPSERVE_GEMM_FP8_PAIRS": 1},
-    "n128+pairs+overlap": {**_PLAIN, "EPSERVE_GEMM_FP8_BN": 128, "EPSERVE_GEMM_FP8_PAIRS": 1,
-                           "EPSERVE_GEMM_FP8_OVERLAP": 1},
 }
 SHIPPED = {"gemm_fp8_null": "split", "gemm_fp8_peer": "split", "gemm1_fp8_swiglu": "split"}
 
@@ -146,8 +135,7 @@ def _kernel(variant: str, device: int):
     mod = kernels.module(variant)
     b_box = module_int(mod, "epserve_gemm_b_box_rows")
     sa_box = module_int(mod, "epserve_gemm_scale_box_cols")
-    cluster = module_int(mod, "epserve_gemm_cluster")  # the CTA pairs' build: whole clusters
-    return fn, smem, (threads,), (sm_count(device) // cluster * cluster,), b_box, sa_box
+    return fn, smem, (threads,), (sm_count(device),), b_box, sa_box
 
 
 @functools.lru_cache(maxsize=256)
