@@ -86,23 +86,28 @@ __device__ __forceinline__ void poison_tokens(bf16_t* out, int T, int H) {
 
 constexpr int kMaxTopK = 16;  // MoEConfig's bound on top_k (src_info keeps j in 4 bits)
 
-// One block per token at a time; each thread owns 8 consecutive columns (16 bytes). A thread
-// loads all of its chunk's k slot rows before it adds any (up to kMaxTopK 16-byte loads in
-// flight, not one): the reduction reads k rows per output row, and with one load in flight
-// a thread waited out each one's latency in turn. The sum is unchanged: used slots only, j
-// ascending, fp32, rounded once.
+// One block per token at a time, as many blocks as fit the GPU at once (the launcher's grid;
+// a larger one runs a second, partial round of blocks); each thread owns 8 consecutive
+// columns (16 bytes). A thread loads all of its chunk's k slot rows before it adds any (up
+// to kSlots 16-byte loads in flight, not one): the reduction reads k rows per output row,
+// and with one load in flight a thread waited out each one's latency in turn. The sum is
+// unchanged: used slots only, j ascending, fp32, rounded once. kSlots (>= k) sizes the
+// loads' registers: the k <= 8 entry point has half of kMaxTopK's, so more blocks fit an SM
+// and more bytes are in flight (the reduction streams recv from HBM). A call with k above
+// kSlots (the launcher never makes one) poisons its output rather than drop slots.
 // wait = 0 when the rows came by stream-ordered copies (NCCL) and no counter is involved.
 // arrive and expected are this rank's per-sender arrays [world]. status (or null) is the
 // call status: a call that failed earlier, or whose wait here runs out, poisons out.
-extern "C" __global__ void epserve_combine_reduce(const bf16_t* __restrict__ recv, const int* __restrict__ topk_idx,
-                                                  const float* __restrict__ topk_weights, bf16_t* __restrict__ out,
-                                                  int T, int k, int H, int world, const unsigned long long* arrive,
-                                                  const unsigned long long* expected, int* error,
-                                                  unsigned long long timeout_ns, int wait, int* status,
-                                                  const PeerCounters peers, int rank, unsigned int* blocks_done) {
+template <int kSlots>
+__device__ __forceinline__ void combine_reduce(const bf16_t* __restrict__ recv, const int* __restrict__ topk_idx,
+                                               const float* __restrict__ topk_weights, bf16_t* __restrict__ out, int T,
+                                               int k, int H, int world, const unsigned long long* arrive,
+                                               const unsigned long long* expected, int* error,
+                                               unsigned long long timeout_ns, int wait, int* status,
+                                               const PeerCounters& peers, int rank, unsigned int* blocks_done) {
   __shared__ int ok;
   if (threadIdx.x == 0) {
-    ok = !call_failed(status);
+    ok = !call_failed(status) && k <= kSlots;
     for (int s = 0; ok && wait && s < world; ++s) {
       const unsigned long long target = expected[s];
       if (!wait_at_least(arrive + s, target, timeout_ns)) {
@@ -124,9 +129,9 @@ extern "C" __global__ void epserve_combine_reduce(const bf16_t* __restrict__ rec
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
     // The token's used slots (a bit each) and their weights, read once for all its chunks.
     unsigned used = 0;
-    float w[kMaxTopK];
+    float w[kSlots];
 #pragma unroll
-    for (int j = 0; j < kMaxTopK; ++j) {
+    for (int j = 0; j < kSlots; ++j) {
       w[j] = 0.f;
       if (j < k && topk_idx[t * k + j] >= 0) {
         used |= 1u << j;
@@ -135,15 +140,15 @@ extern "C" __global__ void epserve_combine_reduce(const bf16_t* __restrict__ rec
     }
     const bf16_t* rows = recv + static_cast<long long>(t) * k * H;
     for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
-      uint4 v[kMaxTopK];
+      uint4 v[kSlots];
 #pragma unroll
-      for (int j = 0; j < kMaxTopK; ++j)
+      for (int j = 0; j < kSlots; ++j)
         if (used & (1u << j)) v[j] = ld_cg_v4(rows + static_cast<long long>(j) * H + c);
       float acc[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] = 0.f;
 #pragma unroll
-      for (int j = 0; j < kMaxTopK; ++j) {
+      for (int j = 0; j < kSlots; ++j) {
         if (!(used & (1u << j))) continue;
         const uint32_t p[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
 #pragma unroll
@@ -161,6 +166,22 @@ extern "C" __global__ void epserve_combine_reduce(const bf16_t* __restrict__ rec
     }
   }
   release_when_last(blocks_done, peers, rank);
+}
+
+#define EPSERVE_COMBINE_REDUCE_PARAMS                                                                          \
+  const bf16_t *__restrict__ recv, const int *__restrict__ topk_idx, const float *__restrict__ topk_weights,   \
+      bf16_t *__restrict__ out, int T, int k, int H, int world, const unsigned long long *arrive,              \
+      const unsigned long long *expected, int *error, unsigned long long timeout_ns, int wait, int *status,    \
+      const PeerCounters peers, int rank, unsigned int *blocks_done
+#define EPSERVE_COMBINE_REDUCE_ARGS \
+  recv, topk_idx, topk_weights, out, T, k, H, world, arrive, expected, error, timeout_ns, wait, status, peers, rank, blocks_done
+
+// Any top_k; and top_k <= 8 (a call with more poisons its output: the launcher picks by k).
+extern "C" __global__ void epserve_combine_reduce(EPSERVE_COMBINE_REDUCE_PARAMS) {
+  combine_reduce<kMaxTopK>(EPSERVE_COMBINE_REDUCE_ARGS);
+}
+extern "C" __global__ void epserve_combine_reduce_k8(EPSERVE_COMBINE_REDUCE_PARAMS) {
+  combine_reduce<8>(EPSERVE_COMBINE_REDUCE_ARGS);
 }
 
 // recv may now be overwritten by the next combine: the peers' stores for it wait on this.

@@ -8,9 +8,10 @@ import cupy
 
 from epserve.runtime import kernels
 from epserve.runtime.kernel_structs import i32, u64
-from epserve.runtime.launch import pointer, sm_count
+from epserve.runtime.launch import pointer, resident_blocks
 
 COMBINE_ARM_THREADS = 1024  # kCombineArmThreads in cuda/comm/combine.cu
+REDUCE_THREADS = 128
 
 
 def combine_arm_spec(topk_idx, T: int, k: int, experts_per_rank: int, world: int, units_per_slot: int,
@@ -28,9 +29,10 @@ def combine_reduce_spec(recv, topk_idx, topk_weights, out, T: int, k: int, H: in
     """The reduction; a failed call (status, or its own wait running out) poisons out. Its last
     block releases recv to every peer (peer_ready_table), counting blocks in blocks_done (one
     uint32, zero between launches)."""
-    fn = kernels.function("combine", "epserve_combine_reduce")
-    blocks = max(1, min(T, sm_count(cupy.cuda.runtime.getDevice()) * 8))
-    return (fn, (blocks,), (128,), (pointer(recv), pointer(topk_idx), pointer(topk_weights), pointer(out), i32(T),
+    # top_k <= 8 (DeepSeek-V3, Mixtral, Qwen3): the build with half the load registers
+    fn = kernels.function("combine", "epserve_combine_reduce_k8" if k <= 8 else "epserve_combine_reduce")
+    blocks = max(1, min(T, resident_blocks(fn, REDUCE_THREADS, cupy.cuda.runtime.getDevice())))
+    return (fn, (blocks,), (REDUCE_THREADS,), (pointer(recv), pointer(topk_idx), pointer(topk_weights), pointer(out), i32(T),
                                     i32(k), i32(H), i32(world), u64(arrive_ptr), u64(expected_ptr), u64(error_ptr),
                                     u64(timeout_ns), i32(1 if wait else 0), pointer(status), peer_ready_table,
                                     i32(rank), pointer(blocks_done)), 0)

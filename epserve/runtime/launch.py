@@ -29,6 +29,19 @@ def sm_count(device: int) -> int:
     return cupy.cuda.Device(device).attributes["MultiProcessorCount"]
 
 
+def resident_blocks(fn, threads: int, device: int, dynamic_smem: int = 0) -> int:
+    """How many blocks of `threads` threads of RawKernel fn the device runs at once (the
+    driver's occupancy for the kernel's registers and shared memory, times the SMs): the grid
+    of a grid-stride kernel whose work should go in one round of blocks, not a round and a
+    fraction."""
+    return max(1, _blocks_per_sm(fn.kernel.ptr, threads, dynamic_smem)) * sm_count(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _blocks_per_sm(function_ptr: int, threads: int, dynamic_smem: int) -> int:
+    return _driver.occupancyMaxActiveBlocksPerMultiprocessor(function_ptr, threads, dynamic_smem)
+
+
 def module_int(mod, name: str) -> int:
     host = np.zeros(1, np.int32)
     mem = mod.get_global(name)
