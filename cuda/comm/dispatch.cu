@@ -227,8 +227,11 @@ __device__ __forceinline__ bool wait_chunk(const unsigned long long* counter, un
   return true;
 }
 
-// One warp per token row, copied into every expert row of this rank it feeds (the row read
-// once), src_info beside it. Work items: first this rank's own T tokens, straight from x
+// One warp per token row, or per part of one where rows are fewer than the warps (decode: a
+// row each would leave most warps idle), copied into every expert row of this rank it feeds
+// (the part read once), src_info beside it. A row's `parts` parts are adjacent work items
+// of up to 128 16-byte chunks each (copy_row_to_many's unrolled step); every block computes
+// the same `parts` from the same counts. Work items: first this rank's own T tokens, straight from x
 // (they need no wait; none when own_in_send: the send warps store them), then the rows of
 // the other sources, rank + 1, rank + 2, ..., in position order, each waiting only for its
 // chunk's arrival counter, so expansion follows arrival. A wait that runs out fails this
@@ -271,7 +274,14 @@ __device__ void expand_tokens(const bf16_t* __restrict__ x, int x_cols, int T, c
   int have = -1;  // the (source, chunk) whose arrival this warp has seen, as s * max_chunks + c
   bool own = true;
   const int start = own_in_send ? T : 0;
-  for (int i = start + block * warps + (threadIdx.x >> 5); i < first[sources]; i += grid * warps) {
+  const int items = first[sources] - start, n16 = H / 8;
+  constexpr int kPartChunks = 128;
+  const int want = max(1, min((n16 + kPartChunks - 1) / kPartChunks, grid * warps / max(items, 1)));
+  const int part_chunks = kPartChunks * ((n16 + want * kPartChunks - 1) / (want * kPartChunks));
+  const int parts = (n16 + part_chunks - 1) / part_chunks;
+  for (int w = block * warps + (threadIdx.x >> 5); w < items * parts; w += grid * warps) {
+    const int i = start + w / parts, part = w % parts;
+    const int c0 = part * part_chunks, chunks = min(n16, c0 + part_chunks) - c0;
     int s, t, m = -1;
     const uint4* src = nullptr;  // the row; with EPSERVE_DISPATCH_QUANTIZE null for this rank's own token t (from x)
     if (own && i >= T) own = false, move_stamp(1);
@@ -312,12 +322,12 @@ __device__ void expand_tokens(const bf16_t* __restrict__ x, int x_cols, int T, c
     if (!rows) continue;  // an own token that feeds no expert here
     uint4* dst = m >= 0 ? reinterpret_cast<uint4*>(a + static_cast<long long>(m) * H) : nullptr;
 #if EPSERVE_DISPATCH_QUANTIZE
-    if (src == nullptr)  // this rank's own token t: quantized from x on the way, as the send does
-      token_row_to_many(dst, rows, x, t, H, x_cols, lane);
-    else
+    if (src == nullptr) {  // this rank's own token t: quantized from x on the way, as the send does; whole, by part 0
+      if (part == 0) token_row_to_many(dst, rows, x, t, H, x_cols, lane);
+    } else
 #endif
-      copy_row_to_many(dst, rows, src, H / 8, lane);
-    if (m >= 0) src_info[m] = (s << 24) | (t << 4) | lane;
+      copy_row_to_many(dst == nullptr ? nullptr : dst + c0, rows, src + c0, chunks, lane);
+    if (m >= 0 && part == 0) src_info[m] = (s << 24) | (t << 4) | lane;
   }
   if (own) move_stamp(1);
   move_stamp(2);

@@ -108,11 +108,13 @@ class DirectDispatcher:
         self._cfg = launch_arg(self._config())
         # The move kernel's expand blocks wait for the peers' send blocks, which wait for
         # nothing, so all of them should be resident at once: 256 threads of at most 64
-        # registers fit 4 blocks on an SM; it asks for at most 1 (send) + 2 (expand).
+        # registers fit 4 blocks on an SM; it asks for at most 1 (send) + 2 (expand). Two
+        # expand blocks an SM whatever the token count: with fewer rows than warps (decode)
+        # the kernel gives each row several warps (dispatch.cu, expand_tokens).
         # send_blocks_max and expand_blocks may be changed before the first call of a T
         # (launch/jobs/time_dispatch.py tries others).
         self.send_blocks_max = self._sms
-        self.expand_blocks = max(1, min(self._sms * 2, (W * max_tokens + 7) // 8))
+        self.expand_blocks = self._sms * 2
         self._max_chunks_arg = i32(self._max_chunks)
         self.row_count = RowCount(self.expert_offsets)
         self._shapes = {}  # (T, rejected) -> the launches' grids and int arguments
