@@ -32,10 +32,10 @@ def combine_reduce_spec(recv, topk_idx, topk_weights, out, T: int, k: int, H: in
     # top_k <= 8 (DeepSeek-V3, Mixtral, Qwen3): the build with half the load registers
     fn = kernels.function("combine", "epserve_combine_reduce_k8" if k <= 8 else "epserve_combine_reduce")
     blocks = max(1, min(T, resident_blocks(fn, REDUCE_THREADS, cupy.cuda.runtime.getDevice())))
-    return (fn, (blocks,), (REDUCE_THREADS,), (pointer(recv), pointer(topk_idx), pointer(topk_weights), pointer(out), i32(T),
-                                    i32(k), i32(H), i32(world), u64(arrive_ptr), u64(expected_ptr), u64(error_ptr),
-                                    u64(timeout_ns), i32(1 if wait else 0), pointer(status), peer_ready_table,
-                                    i32(rank), pointer(blocks_done)), 0)
+    args = (pointer(recv), pointer(topk_idx), pointer(topk_weights), pointer(out), i32(T), i32(k), i32(H), i32(world),
+            u64(arrive_ptr), u64(expected_ptr), u64(error_ptr), u64(timeout_ns), i32(1 if wait else 0), pointer(status),
+            peer_ready_table, i32(rank), pointer(blocks_done))
+    return (fn, (blocks,), (REDUCE_THREADS,), args, 0)
 
 
 def release_recv_spec(peer_ready_table, rank: int) -> tuple:
