@@ -173,8 +173,9 @@ __device__ __forceinline__ void combine_reduce(const bf16_t* __restrict__ recv, 
       bf16_t *__restrict__ out, int T, int k, int H, int world, const unsigned long long *arrive,              \
       const unsigned long long *expected, int *error, unsigned long long timeout_ns, int wait, int *status,    \
       const PeerCounters peers, int rank, unsigned int *blocks_done
-#define EPSERVE_COMBINE_REDUCE_ARGS \
-  recv, topk_idx, topk_weights, out, T, k, H, world, arrive, expected, error, timeout_ns, wait, status, peers, rank, blocks_done
+#define EPSERVE_COMBINE_REDUCE_ARGS                                                                 \
+  recv, topk_idx, topk_weights, out, T, k, H, world, arrive, expected, error, timeout_ns, wait, status, \
+      peers, rank, blocks_done
 
 // Any top_k; and top_k <= 8 (a call with more poisons its output: the launcher picks by k).
 extern "C" __global__ void epserve_combine_reduce(EPSERVE_COMBINE_REDUCE_PARAMS) {

@@ -231,10 +231,10 @@ __device__ __forceinline__ bool wait_chunk(const unsigned long long* counter, un
 // row each would leave most warps idle), copied into every expert row of this rank it feeds
 // (the part read once), src_info beside it. A row's `parts` parts are adjacent work items
 // of up to 128 16-byte chunks each (copy_row_to_many's unrolled step); every block computes
-// the same `parts` from the same counts. Work items: first this rank's own T tokens, straight from x
-// (they need no wait; none when own_in_send: the send warps store them), then the rows of
-// the other sources, rank + 1, rank + 2, ..., in position order, each waiting only for its
-// chunk's arrival counter, so expansion follows arrival. A wait that runs out fails this
+// the same `parts` from the same counts. Work items: first this rank's own T tokens,
+// straight from x (they need no wait; none when own_in_send: the send warps store them),
+// then the rows of the other sources, rank + 1, rank + 2, ..., in position order, each
+// waiting only for its chunk's arrival counter, so expansion follows arrival. A wait that runs out fails this
 // rank's call: expert_offsets go to zero, so the GEMMs see no rows, the output is poisoned,
 // and the other warps stop waiting.
 __device__ void expand_tokens(const bf16_t* __restrict__ x, int x_cols, int T, const int* __restrict__ topk_idx,
