@@ -366,7 +366,7 @@ __device__ void release_dispatch(const DispatchConfig& cfg, unsigned long long* 
 // EPSERVE_DISPATCH_QUANTIZE, its bf16 tokens [T, x_cols] (x_cols a multiple of 128,
 // cfg.hidden * 2 = packed_row_bytes(x_cols)), which the send and the own-row expansion
 // quantize into packed FP8 rows; an extra last argument, only in that build.
-extern "C" __global__ void __launch_bounds__(kMoveThreads)
+extern "C" __global__ void __launch_bounds__(kMoveThreads, kMoveBlocksPerSm)
     epserve_dispatch_move(const bf16_t* __restrict__ x, int T, const int* __restrict__ topk_idx,
                           const int* __restrict__ tok_pos, const int* __restrict__ slot_rank, const DispatchConfig cfg,
                           const int* __restrict__ base, bf16_t* __restrict__ a, int* __restrict__ src_info,

@@ -107,8 +107,9 @@ class DirectDispatcher:
         # Nothing in it changes between calls (the epoch is on the device): packed and wrapped once.
         self._cfg = launch_arg(self._config())
         # The move kernel's expand blocks wait for the peers' send blocks, which wait for
-        # nothing, so all of them should be resident at once: 256 threads of at most 64
-        # registers fit 4 blocks on an SM; it asks for at most 1 (send) + 2 (expand). Two
+        # nothing, so all of them must be resident at once: it asks for at most 1 (send) +
+        # 2 (expand) blocks an SM, and the kernel's launch bound keeps its registers within
+        # three blocks (kMoveBlocksPerSm; tests/cpu/test_dispatch_residency.py). Two
         # expand blocks an SM whatever the token count: with fewer rows than warps (decode)
         # the kernel gives each row several warps (dispatch.cu, expand_tokens).
         # send_blocks_max and expand_blocks may be changed before the first call of a T
