@@ -265,6 +265,10 @@ def captured(run):
     host time, as a library user would replay it. `run` runs once first, so every plan
     (heuristic query) is made before the capture."""
     stream = cupy.cuda.Stream(non_blocking=True)
+    # A non-blocking stream does not wait for the legacy default stream, where the caller
+    # made run's operands (and where earlier cuBLASLt calls may still use the shared
+    # workspace): order the capture stream after everything queued so far.
+    stream.wait_event(cupy.cuda.get_current_stream().record())
     with stream:
         run()
         stream.synchronize()
