@@ -24,13 +24,19 @@ constexpr int kFp8BlockK = 128;  // k-block of the scales: one 128-byte row of a
 // while it promotes the previous one (EPSERVE_GEMM_FP8_OVERLAP) calls them apart, with the
 // same bracket and waits on every path (ptxas serializes every wgmma of a kernel where a
 // wait sits on a path of its own, or a bracket straddles a branch).
-__device__ __forceinline__ void k_block_mma_issue(float (&part)[64], const unsigned char* a, const unsigned char* b) {
+// The operands can also be given as their descriptors' low words (common/ptx.cuh,
+// smem_desc_sw128_lo): a k32 step is 32 bytes further, 2 more.
+__device__ __forceinline__ void k_block_mma_issue(float (&part)[64], uint32_t a_lo, uint32_t b_lo) {
   fence_operands(part);  // the last promotion's reads of part stay before the fence
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kFp8BlockK / 32; ++kk)
-    wgmma_m64n128k32_e4m3(part, smem_desc_sw128(a + kk * 32), smem_desc_sw128(b + kk * 32), kk != 0);
+    wgmma_m64n128k32_e4m3(part, smem_desc_sw128_from_lo(a_lo + 2 * kk), smem_desc_sw128_from_lo(b_lo + 2 * kk),
+                          kk != 0);
   wgmma_commit();
+}
+__device__ __forceinline__ void k_block_mma_issue(float (&part)[64], const unsigned char* a, const unsigned char* b) {
+  k_block_mma_issue(part, smem_desc_sw128_lo(a), smem_desc_sw128_lo(b));
 }
 template <int kPending>
 __device__ __forceinline__ void k_block_wait(float (&part)[64]) {
@@ -40,8 +46,9 @@ __device__ __forceinline__ void k_block_wait(float (&part)[64]) {
 
 // Both steps: returns when the tensor cores are done with the stage's bytes and `part`.
 // kIssue = false (a diagnostic build, EPSERVE_GEMM_FP8_MMA=0): no wgmma at all, part = 0.
-template <bool kIssue = true>
-__device__ __forceinline__ void k_block_mma(float (&part)[64], const unsigned char* a, const unsigned char* b) {
+// (Operand: a stage pointer, or a descriptor's low word, as for k_block_mma_issue.)
+template <bool kIssue = true, class Operand>
+__device__ __forceinline__ void k_block_mma(float (&part)[64], Operand a, Operand b) {
   if constexpr (!kIssue) {
 #pragma unroll
     for (int i = 0; i < 64; ++i) part[i] = 0.f;

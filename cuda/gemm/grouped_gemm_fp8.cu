@@ -387,6 +387,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     const int tid = threadIdx.x;  // 0 .. kConsumerThreads - 1
     const int lane = tid % 32, warp = (tid % 128) / 32;
     const int row = warpgroup * 64 + warp * 16 + lane / 4;  // this thread's first row in the tile
+    // The rings' wgmma descriptors, by their low words: an operand d bytes into a ring is
+    // ring_*_desc + d / 16 (common/ptx.cuh, smem_desc_sw128_lo).
+    const uint32_t ring_a_desc = smem_desc_sw128_lo(ring_a), ring_b_desc = smem_desc_sw128_lo(ring_b);
     // Frees stage s for the producer's next TMA loads into it. Every warp arrives for itself,
     // after its own reads of the stage: besides the wgmmas (whose wait precedes every release),
     // the consumers read the stage's A scales (ring_sa) with ordinary loads, and the split
@@ -502,7 +505,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             mbarrier_wait(&full[stage], phase);
             // For a split tail, the default build's first warpgroup issues these very wgmmas
             // for half h.
-            k_block_mma<kMma>(part, ring_a + stage * kStageA + a_off, ring_b + stage * kStageB + b_off);
+            k_block_mma<kMma>(part, ring_a_desc + (stage * kStageA + a_off) / 16,
+                              ring_b_desc + (stage * kStageB + b_off) / 16);
             promote_stage(part, b_scale);
           }
         }
@@ -514,13 +518,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           mbarrier_wait(&full[stage], phase);
           const float* sa = ring_sa + stage * (kStageScales / 4) + (t.m_abs - scale_box_col(t.m_abs));
           const float a_lo = sa[row], a_hi = sa[row + 8];
-          const unsigned char* a = ring_a + stage * kStageA + warpgroup * kHalfA;
-          const unsigned char* b = ring_b + stage * kStageB;
+          const uint32_t a = ring_a_desc + (stage * kStageA + warpgroup * kHalfA) / 16;
+          const uint32_t b = ring_b_desc + stage * kStageB / 16;
           k_block_mma<kMma>(part, a, b);
           if (!second_half) release(stage);
           if constexpr (kMma) promote<0>(sum, part, a_lo * b_scale0, a_hi * b_scale0);  // (a probe: sum stays 0)
           if (second_half) {
-            k_block_mma<kMma>(part, a, b + kHalfN * kBK);
+            k_block_mma<kMma>(part, a, b + kHalfN * kBK / 16);
             release(stage);
             if constexpr (kMma) promote<64>(sum, part, a_lo * b_scale1, a_hi * b_scale1);
           }
