@@ -58,6 +58,28 @@ def test_fp8_experimental_builds_compile_without_spills_or_serialized_wgmmas(bas
     # the shipped build is one of the knobs' builds, so the GPU test's comparisons reach it
     assert {**defines, **gemm_fp8.KNOBS[gemm_fp8.SHIPPED[base]]} == defines, base
 
+
+def test_fp8_consumer_loop_probe_compiles_at_every_level(cache):
+    """launch/jobs/probe_fp8_consumer_loop.py's kernel (the FP8 GEMM's consumer loop alone)
+    builds from the GEMM's own helpers at every level the job names, without spills or
+    serialized wgmmas, and a level outside them is refused by the kernel."""
+    import importlib.util
+    from pathlib import Path
+
+    job = Path(__file__).resolve().parents[2] / "launch" / "jobs" / "probe_fp8_consumer_loop.py"
+    spec = importlib.util.spec_from_file_location("probe_fp8_consumer_loop", job)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    assert sorted(probe.LEVELS) == [0, 1, 2, 3, 4]
+    for level in probe.LEVELS:
+        art = build.compile_source(probe.SOURCE, {"EPSERVE_PROBE_LEVEL": level})
+        assert not re.search(r"[1-9]\d* bytes spill stores", art.log), (level, art.log)
+        assert "C75" not in art.log, (level, art.log)
+        assert art.ptx.read_text().count("wgmma.mma_async") >= 4, level
+    with pytest.raises(BuildError):
+        build.compile_source(probe.SOURCE, {"EPSERVE_PROBE_LEVEL": 5})
+
+
 SPLIT_K = {"EPSERVE_GEMM_SPLIT_K": 2}
 
 

@@ -1,0 +1,82 @@
+"""What each part of the FP8 GEMM's consumer loop costs the tensor pipe, with no memory
+traffic (cuda/probes/fp8_consumer_loop.cu says what each level adds):
+
+    python launch/jobs/probe_fp8_consumer_loop.py [--levels 0 1 2 3 4] [--k-blocks 4096]
+
+One GPU, one CTA an SM. Prints, per level, the clock64 cycles a k-block takes (the slowest
+warpgroup's mean over the CTAs; 1024 at the full FP8 rate: 2 warpgroups x 2 halves x 4
+m64n128k32 wgmmas of 64 cycles each), the tensor utilisation that implies, and the ptxas
+facts that explain it: R2UR instructions (a descriptor moved into uniform registers before a
+wgmma) and the instruction count of the kernel. notes/gemm.md (twelfth session) has the
+numbers of the ad hoc script this job was made from; this job's own form has not yet run
+on a GPU."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+
+import cupy
+import numpy as np
+
+from epserve.runtime import build
+from epserve.runtime.launch import module_int
+
+SOURCE = "probes/fp8_consumer_loop.cu"
+KERNEL = "epserve_probe_fp8_consumer_loop"
+IDEAL_CYCLES = 1024  # a k-block's MMA at the FP8 rate: 2 x 2 x 4 wgmmas of 64 cycles
+LEVELS = {
+    0: "the loop's pattern, one fixed stage",
+    1: "+ a 3-stage ring's descriptors (low words)",
+    2: "+ A scales (shared) and B scales (__ldg)",
+    3: "+ full / empty mbarriers, a producer",
+    4: "level 3, descriptors rebuilt per wgmma",
+}
+
+
+def sass_counts(cubin) -> tuple[int, int] | None:
+    """(R2UR, instructions) of a cubin, where nvdisasm is on the PATH."""
+    tool = shutil.which("nvdisasm")
+    if tool is None:
+        return None
+    text = subprocess.run([tool, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    lines = [ln for ln in text.splitlines() if ln.strip().startswith("/*") and ";" in ln]
+    return sum("R2UR" in ln for ln in lines), len(lines)
+
+
+def run_level(level: int, k_blocks: int, sms: int) -> dict:
+    art = build.compile_source(SOURCE, {"EPSERVE_PROBE_LEVEL": level})
+    mod = cupy.RawModule(path=str(art.cubin))
+    fn = mod.get_function(KERNEL)
+    smem = module_int(mod, "epserve_probe_smem_bytes")
+    fn.max_dynamic_shared_size_bytes = smem
+    cycles = cupy.zeros(2 * sms, cupy.int64)
+    sink = cupy.zeros(384, cupy.float32)
+    b_scales = cupy.ones(2 * k_blocks, cupy.float32)
+    args = (np.int32(k_blocks), b_scales, cycles, sink)
+    for _ in range(3):  # the last of three launches, warm
+        fn((sms,), (384,), args, shared_mem=smem)
+    cupy.cuda.get_current_stream().synchronize()
+    per_cta = cycles.get().reshape(sms, 2).max(axis=1)
+    per_k_block = float(per_cta.mean()) / k_blocks
+    return {"cycles": per_k_block, "utilisation": IDEAL_CYCLES / per_k_block, "sass": sass_counts(art.cubin)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--levels", type=int, nargs="+", default=sorted(LEVELS))
+    p.add_argument("--k-blocks", type=int, default=4096)
+    args = p.parse_args()
+    dev = cupy.cuda.runtime.getDeviceProperties(0)
+    sms = dev["multiProcessorCount"]
+    print(f"# FP8 consumer loop, no memory traffic: {dev['name'].decode()}, {sms} CTAs, {args.k_blocks} k-blocks each")
+    print(f"{'level':>5}  {'what':<42}{'cycles/k-block':>15}{'tensor util':>12}{'R2UR':>6}{'SASS lines':>11}")
+    for level in args.levels:
+        r = run_level(level, args.k_blocks, sms)
+        r2ur, lines = r["sass"] or ("-", "-")
+        print(f"{level:>5}  {LEVELS[level]:<42}{r['cycles']:>15.1f}{r['utilisation'] * 100:>11.1f}%{r2ur:>6}{lines:>11}")
+
+
+if __name__ == "__main__":
+    main()
