@@ -215,22 +215,23 @@ template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
-// K-major bf16 tile in 128-byte rows, 128-byte swizzle: 8-row groups 1024 bytes apart.
-__device__ __forceinline__ uint64_t smem_desc_sw128(const void* p) {
-  const uint64_t addr = smem_u32(p);
-  return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
-}
-// The same descriptor by its two words. Only the low word moves with the address: d bytes
-// further add d / 16 (shared memory ends below 256 KB, so the 14-bit address never carries).
-// A loop that steps through a stage adds to a low word computed once instead of rebuilding
-// each descriptor from a pointer (a mask, a shift, an or and a move each time: the FP8
-// GEMM's consumers issued about 45 such instructions around every 4 wgmmas).
+// K-major bf16 tile in 128-byte rows, 128-byte swizzle: 8-row groups 1024 bytes apart. The
+// descriptor by its two words: the low word holds the address / 16 and the leading byte
+// offset, the high word (constant) the stride and the swizzle. Only the low word moves with
+// the address, d bytes further by d / 16 (shared memory ends below 256 KB, so the 14-bit
+// address never carries): a loop that steps through a stage adds to a low word computed
+// once instead of rebuilding each descriptor from a pointer (a mask, a shift, an or and a
+// move each time: the FP8 GEMM's consumers issued about 45 such instructions around every
+// 4 wgmmas).
 constexpr uint32_t kSmemDescSw128Hi = (1u << 30) | 64u;
 __device__ __forceinline__ uint32_t smem_desc_sw128_lo(const void* p) {
   return ((smem_u32(p) & 0x3FFFF) >> 4) | (1u << 16);
 }
 __device__ __forceinline__ uint64_t smem_desc_sw128_from_lo(uint32_t lo) {
   return (static_cast<uint64_t>(kSmemDescSw128Hi) << 32) | lo;
+}
+__device__ __forceinline__ uint64_t smem_desc_sw128(const void* p) {
+  return smem_desc_sw128_from_lo(smem_desc_sw128_lo(p));
 }
 // Barrier over a subset of the block (id 1..15), so producer warps need not join.
 template <int kId, int kThreads>
