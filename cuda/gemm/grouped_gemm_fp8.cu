@@ -106,10 +106,6 @@
 #ifndef EPSERVE_GEMM_FP8_SPLIT_TAILS
 #define EPSERVE_GEMM_FP8_SPLIT_TAILS 0
 #endif
-// (sinks/tile_mailbox.cuh reads it)
-#ifndef EPSERVE_MAILBOX_PREDICATED_POST
-#define EPSERVE_MAILBOX_PREDICATED_POST 0
-#endif
 #ifndef EPSERVE_GEMM_FP8_BN
 #define EPSERVE_GEMM_FP8_BN 256
 #endif

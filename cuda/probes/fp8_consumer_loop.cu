@@ -25,6 +25,7 @@ using namespace epserve;
 constexpr int kLevel = EPSERVE_PROBE_LEVEL;
 static_assert(kLevel >= 0 && kLevel <= 4, "EPSERVE_PROBE_LEVEL: 0 .. 4");
 constexpr int kStages = 3, kStageA = 128 * kFp8BlockK, kStageB = 256 * kFp8BlockK, kStageScales = 640;
+constexpr int kScaleBoxBytes = 132 * 4;  // the GEMM's A-scale box: a tile's rows + 4 floats
 constexpr int kHalfA = 64 * kFp8BlockK, kHalfB = 128 * kFp8BlockK;
 constexpr int kStageBytes = kStageA + kStageB + kStageScales;
 
@@ -61,9 +62,9 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       uint32_t phase = 0;
       for (int kt = 0; kt < k_blocks; ++kt) {
         mbarrier_wait(&empty[stage], phase ^ 1);
-        mbarrier_expect_tx(&full[stage], kStageA + kStageB + 528);
+        mbarrier_expect_tx(&full[stage], kStageA + kStageB + kScaleBoxBytes);
         mbarrier_complete_tx(&full[stage], kStageA);
-        mbarrier_complete_tx(&full[stage], 528);
+        mbarrier_complete_tx(&full[stage], kScaleBoxBytes);
         mbarrier_complete_tx(&full[stage], kStageB);
         if (++stage == kStages) {
           stage = 0;

@@ -39,9 +39,9 @@ def test_fp8_experimental_builds_compile_without_spills_or_serialized_wgmmas(bas
     from epserve.ffn import gemm_fp8
 
     root = Path(__file__).resolve().parents[2]
-    source_text = (root / "cuda" / "gemm" / "grouped_gemm_fp8.cu").read_text()
     gpu_test = (root / "tests" / "gpu" / "test_gemm_fp8.py").read_text()
     source, defines = kernels.VARIANTS[base]
+    source_text = "".join(build.include_closure(source).values())  # the kernel and every header it reads
     for knob, knobs in gemm_fp8.KNOBS.items():
         for name in knobs:
             assert f"#ifndef {name}\n" in source_text, name
