@@ -99,10 +99,6 @@
 //   (64 each) fit where the 128 x 256 tile's sum (128) and one part do. Same bits: the same
 //   wgmmas into a fresh part, the same promotion fma, k-blocks promoted in the same order;
 //   only the time at which each is issued moves.
-// - EPSERVE_MAILBOX_PREDICATED_POST=1 (sinks/tile_mailbox.cuh): the epilogue's hand-over
-//   posts the mailbox without a branch on the thread, which lets ptxas keep the stage index
-//   and the wgmma descriptors in uniform registers (no R2UR before each wgmma). Same bits:
-//   the same mailbox words and the same wgmmas. Compiled, not yet measured.
 #ifndef EPSERVE_GEMM_FP8_SPLIT_TAILS
 #define EPSERVE_GEMM_FP8_SPLIT_TAILS 0
 #endif

@@ -11,6 +11,8 @@
 //      stage's bytes as arrived (no copy: the diagnostic no-loads build's handshake)
 //   4  level 3 with each descriptor rebuilt from a pointer per wgmma (the kernel before the
 //      twelfth session)
+//   5  level 3 without the consumers' wait on the full barrier (the producer still runs)
+//   6  level 2 + the consumers' arrivals on the empty barriers alone (no producer, no wait)
 // cycles[2 * block + warpgroup]: clock64 cycles of the warpgroup's loop.
 #include "common/ptx.cuh"
 #include "gemm/block_scaled_mma.cuh"
@@ -23,7 +25,8 @@ namespace {
 
 using namespace epserve;
 constexpr int kLevel = EPSERVE_PROBE_LEVEL;
-static_assert(kLevel >= 0 && kLevel <= 4, "EPSERVE_PROBE_LEVEL: 0 .. 4");
+static_assert(kLevel >= 0 && kLevel <= 6, "EPSERVE_PROBE_LEVEL: 0 .. 6");
+constexpr bool kProducer = kLevel >= 3 && kLevel != 6, kFullWait = kProducer && kLevel != 5;
 constexpr int kStages = 3, kStageA = 128 * kFp8BlockK, kStageB = 256 * kFp8BlockK, kStageScales = 640;
 constexpr int kScaleBoxBytes = 132 * 4;  // the GEMM's A-scale box: a tile's rows + 4 floats
 constexpr int kHalfA = 64 * kFp8BlockK, kHalfB = 128 * kFp8BlockK;
@@ -57,7 +60,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   if (warpgroup == 2) {
     setmaxnreg_dec<40>();
-    if (kLevel >= 3 && threadIdx.x == 256) {
+    if (kProducer && threadIdx.x == 256) {
       int stage = 0;
       uint32_t phase = 0;
       for (int kt = 0; kt < k_blocks; ++kt) {
@@ -92,7 +95,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       b0 = __ldg(b_scales + kt);
       b1 = __ldg(b_scales + k_blocks + kt);
     }
-    if constexpr (kLevel >= 3) mbarrier_wait(&full[stage], phase);
+    if constexpr (kFullWait) mbarrier_wait(&full[stage], phase);
     if constexpr (kLevel >= 2) {
       const float* sa = ring_sa + stage * (kStageScales / 4);
       a_lo = sa[row];

@@ -14,16 +14,6 @@
 #include "common/ptx.cuh"
 #include "sinks/smem_tile.cuh"
 
-// EPSERVE_MAILBOX_PREDICATED_POST=1 (an experimental FP8 GEMM build, epserve.ffn.gemm_fp8
-// KNOBS "split+uniform", not yet measured): hand_over posts the mailbox by predicated stores
-// instead of a branch on the thread. The branch makes ptxas keep the FP8 GEMM's whole tile
-// loop, its stage index and every wgmma descriptor, out of the uniform registers (66 R2UR in
-// gemm_fp8_null, 41 without it, and none left around the wgmmas; notes/gemm.md, twelfth
-// session).
-#ifndef EPSERVE_MAILBOX_PREDICATED_POST
-#define EPSERVE_MAILBOX_PREDICATED_POST 0
-#endif
-
 struct SendMailbox {
   int m_abs, n_abs, rows, cols, done;
 };
@@ -34,17 +24,17 @@ struct TileMailbox {
 
   // Output warps: the tile is in shared memory; tell the workers where it belongs. The
   // barrier also makes every output thread's tile writes visible to the workers.
+  // The mailbox is posted by predicated stores, not `if (tid == 0)`: that branch made ptxas
+  // keep the FP8 GEMM's whole tile loop, its stage index and every wgmma descriptor, out of
+  // the uniform registers, with 2-4 R2UR ahead of each wgmma; without it the FP8 GEMMs ran
+  // 4-5% faster (notes/gemm.md, twelfth and thirteenth sessions).
   __device__ static void hand_over(SendMailbox* box, const SmemTile& tile, int m_abs, int n_abs, int tid) {
-#if EPSERVE_MAILBOX_PREDICATED_POST
     asm volatile(
         "{\n.reg .pred p;\nsetp.eq.s32 p, %0, 0;\n"
         "@p st.shared.b32 [%1], %2;\n@p st.shared.b32 [%1+4], %3;\n@p st.shared.b32 [%1+8], %4;\n"
         "@p st.shared.b32 [%1+12], %5;\n@p st.shared.b32 [%1+16], %6;\n}\n" ::"r"(tid),
         "r"(epserve::smem_u32(box)), "r"(m_abs), "r"(n_abs), "r"(tile.rows), "r"(tile.cols), "r"(0)
         : "memory");
-#else
-    if (tid == 0) *box = SendMailbox{m_abs, n_abs, tile.rows, tile.cols, 0};
-#endif
     epserve::named_barrier_sync_across_roles<kFullBarrier, kParties>();
   }
 

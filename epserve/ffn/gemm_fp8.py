@@ -40,9 +40,6 @@ KNOBS: dict[str, dict[str, int]] = {
     "plain": _PLAIN,
     "split": {**_PLAIN, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1},
     "split+overlap": {"EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_OVERLAP": 1},
-    # the mailbox posted without a branch: the descriptors stay in uniform registers (twelfth
-    # session; compiled and CPU-tested, not yet measured on a GPU)
-    "split+uniform": {**_PLAIN, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_MAILBOX_PREDICATED_POST": 1},
     "n128": {**_PLAIN, "EPSERVE_GEMM_FP8_BN": 128},
     "n128+overlap": {**_PLAIN, "EPSERVE_GEMM_FP8_BN": 128, "EPSERVE_GEMM_FP8_OVERLAP": 1},
 }

@@ -1,15 +1,14 @@
 """What each part of the FP8 GEMM's consumer loop costs the tensor pipe, with no memory
 traffic (cuda/probes/fp8_consumer_loop.cu says what each level adds):
 
-    python launch/jobs/probe_fp8_consumer_loop.py [--levels 0 1 2 3 4] [--k-blocks 4096]
+    python launch/jobs/probe_fp8_consumer_loop.py [--levels 0 1 2 3 4 5 6] [--k-blocks 4096]
 
 One GPU, one CTA an SM. Prints, per level, the clock64 cycles a k-block takes (the slowest
 warpgroup's mean over the CTAs; 1024 at the full FP8 rate: 2 warpgroups x 2 halves x 4
 m64n128k32 wgmmas of 64 cycles each), the tensor utilisation that implies, and the ptxas
 facts that explain it: R2UR instructions (a descriptor moved into uniform registers before a
-wgmma) and the instruction count of the kernel. notes/gemm.md (twelfth session) has the
-numbers of the ad hoc script this job was made from; this job's own form has not yet run
-on a GPU."""
+wgmma) and the instruction count of the kernel. notes/gemm.md (twelfth and thirteenth
+sessions) has what it measured on an H200."""
 
 from __future__ import annotations
 
@@ -32,6 +31,8 @@ LEVELS = {
     2: "+ A scales (shared) and B scales (__ldg)",
     3: "+ full / empty mbarriers, a producer",
     4: "level 3, descriptors rebuilt per wgmma",
+    5: "level 3 without the full-barrier wait",
+    6: "level 2 + the empty arrivals alone",
 }
 
 
