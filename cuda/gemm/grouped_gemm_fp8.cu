@@ -137,8 +137,8 @@ constexpr int kHalfN = 128;  // columns of one part, and of one weight scale blo
 constexpr int kOutCols = kSwiGLU ? kBN / 2 : kBN;
 constexpr int kConsumers = 2, kConsumerThreads = 128 * kConsumers;
 constexpr bool kReleaseByWarpgroup = EPSERVE_GEMM_FP8_RELEASE_BY_WARPGROUP != 0;
-// The arrivals that free a stage: one per consumer warp (the consumers' `release` says why).
-constexpr int kStageReleases = kReleaseByWarpgroup ? kConsumers : kConsumerThreads / 32;
+// The arrivals that free a stage: one per consumer thread (the consumers' `release` says why).
+constexpr int kStageReleases = kReleaseByWarpgroup ? kConsumers : kConsumerThreads;
 constexpr int kThreads = 128 * (kConsumers + 1);
 constexpr int kProducerWarpgroup = kConsumers;
 constexpr bool kSendWarps = Sink::kSendWarps > 0;
@@ -294,7 +294,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     if (smem_u32(smem) & 1023u) __trap();  // the 128-byte swizzle's pattern is tied to 1024-byte alignment
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&full[s], 1);
-      mbarrier_init(&empty[s], kStageReleases);  // one arrival per consumer warp: see `release`
+      mbarrier_init(&empty[s], kStageReleases);  // one arrival per consumer thread: see `release`
     }
     fence_mbarrier_init();
   }
@@ -390,21 +390,23 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     // The rings' wgmma descriptors, by their low words: an operand d bytes into a ring is
     // ring_*_desc + d / 16 (common/ptx.cuh, smem_desc_sw128_lo).
     const uint32_t ring_a_desc = smem_desc_sw128_lo(ring_a), ring_b_desc = smem_desc_sw128_lo(ring_b);
-    // Frees stage s for the producer's next TMA loads into it. Every warp arrives for itself,
-    // after its own reads of the stage: besides the wgmmas (whose wait precedes every release),
-    // the consumers read the stage's A scales (ring_sa) with ordinary loads, and the split
-    // tails' promote_stage reads them after the MMA, just before it frees the stage. With one
-    // arrival per warpgroup (its thread 0, as this kernel had), the warpgroup's other three
-    // warps could still be about to read their rows' scales when the producer, seeing the
-    // stage free, had TMA overwrite them with the next k-block's (or the next tile's): those
-    // rows' sums then took one k-block at a wrong scale. The __syncwarp orders the warp's
-    // loads before its lane 0's arrive (release), which the producer's wait acquires.
+    // Frees stage s for the producer's next TMA loads into it. Every thread arrives for
+    // itself, after its own reads of the stage: besides the wgmmas (whose wait precedes every
+    // release), the consumers read the stage's A scales (ring_sa) with ordinary loads, and the
+    // split tails' promote_stage reads them after the MMA, just before it frees the stage.
+    // With one arrival per warpgroup (its thread 0, as this kernel first had), the
+    // warpgroup's other three warps could still be about to read their rows' scales when the
+    // producer, seeing the stage free, had TMA overwrite them with the next k-block's (or the
+    // next tile's): those rows' sums then took one k-block at a wrong scale. Each thread's
+    // arrive (a release) orders its own loads before it, and the producer's wait acquires
+    // them all. (One arrival per warp after a __syncwarp is as correct, and measured up to
+    // 1.5% slower on GEMM 1: the lane branch and the warp sync sit between the wgmma wait and
+    // the promotion; notes/gemm.md, thirteenth session.)
     auto release = [&](int s) {
       if constexpr (kReleaseByWarpgroup) {  // the diagnostic build of the race (top of the file)
         if (tid % 128 == 0) mbarrier_arrive(&empty[s]);
       } else {
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(&empty[s]);
+        mbarrier_arrive(&empty[s]);
       }
     };
     int stage = 0;

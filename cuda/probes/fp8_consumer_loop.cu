@@ -52,7 +52,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&full[s], 1);
-      mbarrier_init(&empty[s], 8);  // one arrival per consumer warp, as in the GEMM
+      mbarrier_init(&empty[s], 256);  // one arrival per consumer thread, as in the GEMM
     }
     fence_mbarrier_init();
   }
@@ -112,10 +112,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       else
         k_block_mma_issue(part, a, b + h * kHalfB / 16);
       k_block_wait<0>(part);
-      if (kLevel >= 3 && h == 1) {
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(&empty[stage]);
-      }
+      if (kLevel >= 3 && h == 1) mbarrier_arrive(&empty[stage]);
       const float s = h ? b1 : b0;
       if (h == 0) promote<0>(sum, part, a_lo * s, a_hi * s);
       else promote<64>(sum, part, a_lo * s, a_hi * s);

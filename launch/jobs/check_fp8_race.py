@@ -10,7 +10,8 @@ else caught it: check_fp8.py runs small shapes and one synchronized forward at a
 the bench compares only the last of its calls. Cause (cuda/gemm/grouped_gemm_fp8.cu, the
 consumers' `release`): a stage of the GEMM's ring was freed by one arrival per consumer
 warpgroup, while the split tails' promotion reads the stage's A scales after the MMA, so the
-warpgroup's other warps could read scales that TMA had already overwritten. Only rows of a
+warpgroup's other warps could read scales that TMA had already overwritten (now every
+consumer thread frees the stage after its own reads). Only rows of a
 split tail (a tile of at most 64 real rows) in warps 1-3 (tile rows 16-63) can show it.
 
 Per case (routing), at dsv3-prefill-fp8's layer (H 7168, I 2048, E 256, k 8) and the bench's
