@@ -357,7 +357,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         const int a_boxes = t.rows > 64 ? 2 : 1;  // a tail of at most 64 rows loads (and computes) one half
         const int b_row = t.expert * b_rows + t.n_abs;
         for (int kt = 0; kt < k_blocks; ++kt) {
-          mbarrier_wait(&empty[stage], phase ^ 1);  // every consumer warp is done with the stage
+          mbarrier_wait(&empty[stage], phase ^ 1);  // every consumer thread is done with the stage
           if (kt == 0) stage_tile[stage] = index;
           mbarrier_expect_tx(&full[stage], a_boxes * kHalfA + kStageB + kScaleBoxBytes);
           for (int h = 0; h < a_boxes; ++h)
