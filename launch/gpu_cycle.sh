@@ -130,8 +130,9 @@ sm__cycles_elapsed.avg.per_second,lts__t_sectors_op_read.sum,dram__bytes_read.su
                     --iters 30 --warmup 5
             done
             summary_lines=40 ;;
-        # The FP8 GEMM's per-warp stage release (notes/gemm.md, "FP8 fused != unfused now and
-        # then on two H200s"), two GPUs, <= 8 min: the race job on the shipped build (must pass)
+        # The FP8 GEMM's stage release by every consumer thread (notes/gemm.md, "FP8 fused !=
+        # unfused now and then on two H200s" and "Thirteenth session"), two GPUs, <= 8 min: the
+        # race job on the shipped build (must pass)
         # and on the pre-fix release (should fail: it shows the job catches the race; not counted
         # in the exit status), then the bench points that showed it (every fused #wrong 0).
         fp8-race) export NCCL_NVLS_ENABLE=0
