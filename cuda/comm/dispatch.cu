@@ -4,9 +4,9 @@
 // rank, token, slot). Counts are exchanged on the device, through every rank's count table.
 // Three launches a call (a kernel boundary costs ~5 us, more than the small kernels' work):
 //
-//   count + publish   many CTAs, a warp per 32-token chunk counts it; the last CTA to finish
-//                     scans the chunks (a thread per counter) and publishes the count row to
-//                     every rank's table, then a release
+//   count + publish   many CTAs, a warp per 32-token chunk counts it and each CTA scans its
+//                     own chunks; the last CTA to finish scans the CTAs' totals (a thread per
+//                     counter) and publishes the count row to every rank's table, then a release
 //   rank + layout     many CTAs: per-(t, j) rank inside its expert's rows from this source,
 //                     per-token position inside each destination's token region; the last
 //                     CTA to finish waits for every rank's count row, reaches the verdict (a
@@ -44,9 +44,10 @@
   extern "C" __global__ void bounds name params { body<1> args; }  \
   extern "C" __global__ void bounds name##_wide params { body<kWideWords> args; }
 
-// Count + publish, over many CTAs of kCountThreads: each warp counts its chunks; the last CTA
-// to finish scans them (chunk bases for the rank kernel, this rank's count row) and publishes
-// the count row to every rank's table. done: this kernel's zeroed counter of finished CTAs,
+// Count + publish, over a CTA of kCountThreads per kCountWarps chunks: each warp counts its
+// chunk and each CTA scans its chunks (their bases within it, and its totals); the last CTA to
+// finish scans the CTAs' totals (their bases, this rank's count row) and publishes the count
+// row to every rank's table. done: this kernel's zeroed counter of finished CTAs,
 // left zero. Dynamic shared memory: kCountThreads / 32 * (E + W) ints.
 template <int kWords>
 __device__ __forceinline__ void route_count_publish(const int* __restrict__ topk_idx, int T, int input_error,
@@ -54,7 +55,7 @@ __device__ __forceinline__ void route_count_publish(const int* __restrict__ topk
                                                     int* __restrict__ bad_slot, unsigned* __restrict__ done) {
   __shared__ int totals[EPSERVE_MAX_EXPERTS + EPSERVE_MAX_WORLD];
   __shared__ int bad;
-  count_chunks<kWords>(topk_idx, T, cfg, chunk_counts, bad_slot);
+  count_chunks<kWords>(topk_idx, T, cfg, chunk_counts, bad_slot, totals);
   if (!last_block_to_finish(done)) return;
   route_totals(topk_idx, T, input_error, cfg, chunk_counts, bad_slot, totals, &bad);
   publish_count_row(cfg, totals, bad, input_error);
@@ -80,7 +81,9 @@ __device__ __forceinline__ void route_rank_layout(const int* __restrict__ topk_i
   if (!last_block_to_finish(done)) return;
   direct_layout(cfg, expert_offsets, base, arm_expected, units_per_slot);
 }
-EPSERVE_ONE_NODE_AND_WIDE(__launch_bounds__(kRankThreads), epserve_dispatch_route_rank_layout, route_rank_layout,
+// Two CTAs an SM (64 registers): left to itself ptxas aims at three (40 registers), and the
+// wide build then spills around the layout's calls.
+EPSERVE_ONE_NODE_AND_WIDE(__launch_bounds__(kRankThreads, 2), epserve_dispatch_route_rank_layout, route_rank_layout,
                           (const int* __restrict__ topk_idx, int T, const DispatchConfig cfg,
                            const int* __restrict__ chunk_bases, int* __restrict__ tok_pos,
                            int* __restrict__ slot_rank, unsigned* __restrict__ done, int* __restrict__ expert_offsets,
@@ -442,7 +445,7 @@ __device__ __forceinline__ void nccl_count_publish(const int* __restrict__ topk_
                                                    int* __restrict__ table) {
   __shared__ int totals[EPSERVE_MAX_EXPERTS + EPSERVE_MAX_WORLD];
   __shared__ int bad;
-  count_chunks<kWords>(topk_idx, T, cfg, chunk_counts, bad_slot);
+  count_chunks<kWords>(topk_idx, T, cfg, chunk_counts, bad_slot, totals);
   if (!last_block_to_finish(done)) return;
   const int width = cfg.num_experts + cfg.world;
   route_totals(topk_idx, T, input_error, cfg, chunk_counts, bad_slot, totals, &bad);

@@ -17,8 +17,11 @@ using namespace epserve;
 namespace {
 
 constexpr int kLayoutThreads = EPSERVE_MAX_LOCAL_EXPERTS;  // a thread per local expert
-// count + publish: a warp per chunk counts; the last CTA's scan takes a thread per counter
+// count + publish: a warp per chunk counts, a CTA scans its warps' chunks (a lane per warp's
+// chunk), and the last CTA's scan of the CTA totals takes a thread per counter
 constexpr int kCountThreads = 1024;
+constexpr int kCountWarps = kCountThreads / 32;  // chunks a count CTA holds: chunk c is CTA c / kCountWarps's
+static_assert(kCountWarps == 32, "the CTA's scan of its chunks takes a lane per chunk");
 // rank + layout: a warp per chunk ranks; the last CTA's layout takes a thread per local expert
 constexpr int kRankThreads = kLayoutThreads;
 constexpr int kRankWarps = kRankThreads / 32;

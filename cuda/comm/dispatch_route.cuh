@@ -6,75 +6,118 @@
 
 namespace {
 
-// Count, over many CTAs: each warp counts one chunk of 32 tokens (rows per global expert,
-// tokens per destination) into chunk_counts; a bad expert id's slot goes to *bad_slot (the
-// lowest wins). Dynamic shared memory: (blockDim.x / 32) * (E + W) ints. kWords: the words of
-// a token's destination set (DestSet: 1 in the one-node kernels, kWideWords in the _wide ones).
+// Count, a CTA per kCountWarps chunks of 32 tokens (chunk c is warp c % kCountWarps of CTA
+// c / kCountWarps; the host launches exactly enough CTAs, epserve/dispatch/route.py): each warp
+// counts its chunk (rows per global expert, tokens per destination) into its row of shared
+// memory; a bad expert id's slot goes to *bad_slot (the lowest wins). Then the CTA scans its
+// rows per counter (a warp per counter, a lane per chunk) and stores each chunk's base within
+// the CTA as the chunk's row of chunk_counts, and the CTA's totals as row chunks + blockIdx.x,
+// which the last CTA's scan (route_totals) turns into the CTA's base: a chunk's base is its
+// row plus its CTA's row (rank_chunks). So each CTA scans its own chunks where it counted
+// them, and the one CTA that scans in the end reads a row per CTA, not per chunk: scanning
+// every chunk row there took half the kernel (8 us at 4096 tokens; notes/dispatch.md).
+// The CTA's totals also go to `totals` (shared): with one count CTA (decode) they are the
+// count row already, and its row of chunk_counts is its base, zero.
+// Dynamic shared memory: kCountWarps * (E + W) ints. kWords: the words of a token's
+// destination set (DestSet: 1 in the one-node kernels, kWideWords in the _wide ones).
 template <int kWords>
 __device__ void count_chunks(const int* __restrict__ topk_idx, int T, const DispatchConfig& cfg,
-                                int* __restrict__ chunk_counts, int* __restrict__ bad_slot) {
+                             int* __restrict__ chunk_counts, int* __restrict__ bad_slot, int* totals) {
   extern __shared__ int smem[];
   const int E = cfg.num_experts, W = cfg.world, k = cfg.top_k, e_loc = E / W, width = E + W;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int* mine = smem + warp * width;
   const int chunks = (T + kChunk - 1) / kChunk;
-  for (int c = blockIdx.x * warps + warp; c < chunks; c += gridDim.x * warps) {
-    for (int i = lane; i < width; i += 32) mine[i] = 0;
-    __syncwarp();
-    const int t = c * kChunk + lane;
-    if (t < T) {
-      DestSet<kWords> dests;
-      for (int j = 0; j < k; ++j) {
-        const int e = topk_idx[t * k + j];
-        if (e < -1 || e >= E) {
-          atomicMin(bad_slot, t * k + j);
-          continue;
-        }
-        if (e < 0) continue;
-        atomicAdd(&mine[e], 1);
-        dests.add(e / e_loc);
+  const int c = blockIdx.x * kCountWarps + warp;
+  for (int i = lane; i < width; i += 32) mine[i] = 0;  // a warp past the last chunk leaves zeros
+  __syncwarp();
+  const int t = c * kChunk + lane;
+  if (t < T) {
+    DestSet<kWords> dests;
+    for (int j = 0; j < k; ++j) {
+      const int e = topk_idx[t * k + j];
+      if (e < -1 || e >= E) {
+        atomicMin(bad_slot, t * k + j);
+        continue;
       }
-      for (int d = 0; d < W; ++d)
-        if (dests.has(d)) atomicAdd(&mine[E + d], 1);
+      if (e < 0) continue;
+      atomicAdd(&mine[e], 1);
+      dests.add(e / e_loc);
     }
-    __syncwarp();
-    for (int i = lane; i < width; i += 32) chunk_counts[c * width + i] = mine[i];
-    __syncwarp();
+    for (int d = 0; d < W; ++d)
+      if (dests.has(d)) atomicAdd(&mine[E + d], 1);
   }
+  __syncthreads();
+  // kIlp counters a warp at once, so their shuffle chains overlap (one at a time, the scan
+  // cost more than the old single-CTA scan saved at decode's one chunk-CTA).
+  constexpr int kIlp = 4;
+  for (int i0 = warp; i0 < width; i0 += kIlp * kCountWarps) {
+    int v[kIlp], x[kIlp];
+#pragma unroll
+    for (int u = 0; u < kIlp; ++u) {
+      const int i = i0 + u * kCountWarps;
+      v[u] = i < width ? smem[lane * width + i] : 0;  // chunk `lane` of this CTA
+      x[u] = v[u];
+    }
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+#pragma unroll
+      for (int u = 0; u < kIlp; ++u) {
+        const int y = __shfl_up_sync(0xffffffffu, x[u], o);
+        if (lane >= o) x[u] += y;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kIlp; ++u) {
+      const int i = i0 + u * kCountWarps;
+      if (i < width) {
+        smem[lane * width + i] = x[u] - v[u];
+        if (lane == 31) {
+          totals[i] = x[u];
+          chunk_counts[(chunks + blockIdx.x) * width + i] = gridDim.x == 1 ? 0 : x[u];
+        }
+      }
+    }
+  }
+  __syncthreads();
+  if (c < chunks)
+    for (int i = lane; i < width; i += 32) chunk_counts[c * width + i] = mine[i];
 }
 
-// The scan, by the one CTA (the last of the count grid) that sees every chunk's counts: an
-// exclusive scan over the chunks, one counter per thread, turns chunk_counts into chunk bases
-// and leaves the totals (this rank's count row) in totals; thread 0 takes the lowest bad slot
+// The scan, by the one CTA (the last of the count grid) that sees every CTA's totals: an
+// exclusive scan over the CTA rows (chunk_counts' rows chunks .. chunks + gridDim.x - 1), per
+// counter, turns them into the CTAs' bases and leaves the totals (this rank's count row) in
+// totals (with one CTA, count_chunks left both done); thread 0 takes the lowest bad slot
 // into *bad, resets *bad_slot for the next call and records a bad expert id of this rank's
 // own routing; it ends with a barrier, so every thread may read *bad and totals after it.
-// The other CTAs wrote chunk_counts and *bad_slot in this launch: read from L2.
+// The other CTAs wrote their rows and *bad_slot in this launch: read from L2.
 __device__ void route_totals(const int* __restrict__ topk_idx, int T, int input_error, const DispatchConfig& cfg,
                              int* __restrict__ chunk_counts, int* __restrict__ bad_slot, int* totals, int* bad) {
   const int E = cfg.num_experts, W = cfg.world, k = cfg.top_k, width = E + W;
-  const int chunks = (T + kChunk - 1) / kChunk;
-  // The chunks split into `parts` runs, a thread per (counter, run), so the block's threads
+  const int chunks = (T + kChunk - 1) / kChunk, ctas = gridDim.x;
+  int* cta_rows = chunk_counts + chunks * width;
+  // The CTA rows split into `parts` runs, a thread per (counter, run), so the block's threads
   // all load at once: each run's sum, then each run rewritten from the sum of the runs
   // before it. partial[p * width + i]: run p's sum of counter i.
   __shared__ int partial[kCountThreads > EPSERVE_MAX_EXPERTS + EPSERVE_MAX_WORLD ? kCountThreads
                                                                                   : EPSERVE_MAX_EXPERTS + EPSERVE_MAX_WORLD];
-  const int parts = max(1, static_cast<int>(blockDim.x) / width), per = (chunks + parts - 1) / parts;
+  // With one CTA, count_chunks left the totals and the CTA's zero base: nothing to scan.
+  const int parts = ctas == 1 ? 0 : max(1, static_cast<int>(blockDim.x) / width);
+  const int per = parts ? (ctas + parts - 1) / parts : 0;
   for (int x = threadIdx.x; x < parts * width; x += blockDim.x) {
-    const int p = x / width, i = x - p * width, end = min(chunks, (p + 1) * per);
+    const int p = x / width, i = x - p * width, end = min(ctas, (p + 1) * per);
     int sum = 0;
-#pragma unroll 8
-    for (int c = p * per; c < end; ++c) sum += __ldcg(chunk_counts + c * width + i);
+    for (int b = p * per; b < end; ++b) sum += __ldcg(cta_rows + b * width + i);
     partial[x] = sum;
   }
   __syncthreads();
   for (int x = threadIdx.x; x < parts * width; x += blockDim.x) {
-    const int p = x / width, i = x - p * width, end = min(chunks, (p + 1) * per);
+    const int p = x / width, i = x - p * width, end = min(ctas, (p + 1) * per);
     int run = 0;
     for (int q = 0; q < p; ++q) run += partial[q * width + i];
-#pragma unroll 8
-    for (int c = p * per; c < end; ++c) {
-      const int v = __ldcg(chunk_counts + c * width + i);
-      chunk_counts[c * width + i] = run;
+    for (int b = p * per; b < end; ++b) {
+      const int v = __ldcg(cta_rows + b * width + i);
+      cta_rows[b * width + i] = run;
       run += v;
     }
     if (p == parts - 1) totals[i] = run;
@@ -146,7 +189,10 @@ __device__ void rank_chunks(const int* __restrict__ topk_idx, int T, const Dispa
   for (int i = lane; i < E; i += 32) masks[i] = 0;  // each use clears what it set
   const int chunks = (T + kChunk - 1) / kChunk;
   for (int c = blockIdx.x * warps + warp; c < chunks; c += gridDim.x * warps) {
-    const int* bases = chunk_bases + c * width;  // written by the previous kernel: plain loads are fine
+    // A counter's base for this chunk: the chunk's base within its count CTA plus that CTA's
+    // base (count_chunks); written by the previous kernel: plain loads are fine.
+    const int* bases = chunk_bases + c * width;
+    const int* cta_bases = bases + (chunks + c / kCountWarps - c) * width;
     const int n = min(kChunk, T - c * kChunk) * k;
     for (int i = lane; i < n; i += 32) {
       const int e = topk_idx[c * kChunk * k + i];
@@ -170,12 +216,12 @@ __device__ void rank_chunks(const int* __restrict__ topk_idx, int T, const Dispa
       __syncwarp();
       for (int j = 0; live && j < k; ++j) {
         const int e = row[j];
-        slot_rank[t * k + j] = e >= 0 ? bases[e] + __popc(masks[e] & before) : -1;
+        slot_rank[t * k + j] = e >= 0 ? bases[e] + cta_bases[e] + __popc(masks[e] & before) : -1;
       }
       for (int d = 0; d < W; ++d) {
         const bool to = dests.has(d);
         const unsigned to_d = __ballot_sync(0xffffffffu, to);
-        if (live) tok_pos[t * W + d] = to ? bases[E + d] + __popc(to_d & before) : -1;
+        if (live) tok_pos[t * W + d] = to ? bases[E + d] + cta_bases[E + d] + __popc(to_d & before) : -1;
       }
       __syncwarp();
       for (int j = 0; live && j < k; ++j)
@@ -183,7 +229,7 @@ __device__ void rank_chunks(const int* __restrict__ topk_idx, int T, const Dispa
       __syncwarp();
       continue;
     }
-    for (int i = lane; i < width; i += 32) mine[i] = bases[i];
+    for (int i = lane; i < width; i += 32) mine[i] = bases[i] + cta_bases[i];
     __syncwarp();
     for (int tt = 0; tt < kChunk; ++tt) {  // token by token: the slots of one expert in slot order
       const int t = c * kChunk + tt;

@@ -25,12 +25,18 @@ from epserve.runtime.kernel_structs import MAX_LOCAL_EXPERTS, MAX_PEERS
 
 CHUNK = 32  # kChunk in dispatch_common.cuh: tokens per warp-chunk
 COUNT_THREADS = 1024  # kCountThreads: the last CTA's scan takes a thread per counter
+COUNT_CHUNKS_PER_CTA = COUNT_THREADS // 32  # kCountWarps: a count CTA scans its own warps' chunks
 RANK_THREADS = MAX_LOCAL_EXPERTS  # kRankThreads: the last CTA's layout takes a thread per local expert
 
 _KERNELS = {  # transport -> (count + publish, rank + layout)
     "direct": ("epserve_dispatch_route_count_publish", "epserve_dispatch_route_rank_layout"),
     "nccl": ("epserve_nccl_dispatch_count_publish", "epserve_nccl_dispatch_rank_layout"),
 }
+
+
+def count_ctas(chunks: int) -> int:
+    """The count kernel's grid for `chunks` chunks: a CTA per COUNT_CHUNKS_PER_CTA, at least one."""
+    return max(1, -(-chunks // COUNT_CHUNKS_PER_CTA))
 
 
 class Route:
@@ -46,7 +52,9 @@ class Route:
         width = num_experts + world  # a chunk's counters: rows per expert, tokens per destination
         self.tok_pos = cupy.empty((max_tokens, world), np.int32)
         self.slot_rank = cupy.empty((max_tokens, top_k), np.int32)
-        self.chunk_counts = cupy.empty(((max_tokens + CHUNK - 1) // CHUNK, width), np.int32)
+        # A row per chunk (its bases within its count CTA), then a row per count CTA (the CTA's bases)
+        chunks = (max_tokens + CHUNK - 1) // CHUNK
+        self.chunk_counts = cupy.empty((chunks + count_ctas(chunks), width), np.int32)
         self.bad_slot = cupy.full(1, 0x7FFFFFFF, np.int32)  # the lowest bad (t, j); the scan resets it
         done = cupy.zeros(2, np.uint32)  # finished CTAs of each kernel; its last CTA zeroes it
         self._count_done, self._rank_done = done[0:1], done[1:2]
@@ -63,16 +71,15 @@ class Route:
 
     def grids(self, T: int) -> tuple:
         """(count grid, rank grid) for T tokens: a warp per chunk, at least one CTA (its last
-        CTA publishes and lays out even when T is 0)."""
+        CTA publishes and lays out even when T is 0). The count kernel takes exactly a CTA per
+        COUNT_CHUNKS_PER_CTA chunks (its CTAs scan their own chunks); the rank kernel's warps
+        stride over the chunks."""
         grids = self._grids.get(T)
         if grids is None:
             chunks = (T + CHUNK - 1) // CHUNK
-
-            def ctas(threads):
-                warps = threads // 32
-                return (max(1, min(self._sms * 2, (chunks + warps - 1) // warps)),)
-
-            grids = self._grids[T] = (ctas(COUNT_THREADS), ctas(RANK_THREADS))
+            warps = RANK_THREADS // 32
+            rank_ctas = max(1, min(self._sms * 2, (chunks + warps - 1) // warps))
+            grids = self._grids[T] = ((count_ctas(chunks),), (rank_ctas,))
         return grids
 
     def count_publish_spec(self, topk_idx, T: int, t, code, cfg, *publish_args) -> tuple:
