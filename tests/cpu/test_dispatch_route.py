@@ -102,6 +102,27 @@ def test_grids_cover_every_chunk_and_never_vanish(fake_gpu):
     assert r.grids(1 << 16) == ((64,), (128,))
 
 
+def test_chunk_counts_hold_a_row_per_chunk_and_one_per_count_cta(fake_gpu, monkeypatch):
+    """Each count CTA scans its own COUNT_CHUNKS_PER_CTA chunks (cuda/comm/dispatch_route.cuh,
+    count_chunks) and leaves its totals in a row after the chunk rows, which the rank kernel
+    finds at row chunks + c / kCountWarps: the buffer holds both at max_tokens."""
+    text = (CUDA / "dispatch_common.cuh").read_text()
+    assert "constexpr int kCountWarps = kCountThreads / 32;" in text
+    assert route_mod.COUNT_CHUNKS_PER_CTA == route_mod.COUNT_THREADS // 32
+    shapes = []
+    made = route_mod.cupy.empty
+
+    def empty(shape, *args, **kwargs):
+        shapes.append(shape)
+        return made(shape, *args, **kwargs)
+
+    monkeypatch.setattr(route_mod.cupy, "empty", empty)
+    r = route_mod.Route("direct", num_experts=256, world=2, top_k=8, max_tokens=5000)
+    assert (157 + 5, 258) in shapes  # 157 chunks of 32 tokens, 5 count CTAs
+    assert r.grids(5000)[0] == (5,) and r.grids(4096)[0] == (4,) and r.grids(100)[0] == (1,)
+    assert route_mod.count_ctas(0) == 1  # the last CTA still publishes
+
+
 def test_launches_are_prepared_once_and_rewrite_only_the_routing(fake_gpu, launches, monkeypatch):
     made = []
     real = launch.PreparedLaunch
