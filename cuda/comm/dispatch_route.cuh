@@ -48,8 +48,8 @@ __device__ void count_chunks(const int* __restrict__ topk_idx, int T, const Disp
       if (dests.has(d)) atomicAdd(&mine[E + d], 1);
   }
   __syncthreads();
-  // kIlp counters a warp at once, so their shuffle chains overlap (one at a time, the scan
-  // cost more than the old single-CTA scan saved at decode's one chunk-CTA).
+  // kIlp counters a warp at once: their shuffle chains overlap instead of running one after
+  // another.
   constexpr int kIlp = 4;
   for (int i0 = warp; i0 < width; i0 += kIlp * kCountWarps) {
     int v[kIlp], x[kIlp];
