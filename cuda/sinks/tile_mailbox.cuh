@@ -17,6 +17,7 @@
 struct SendMailbox {
   int m_abs, n_abs, rows, cols, done;
 };
+static_assert(sizeof(SendMailbox) == 5 * sizeof(int), "hand_over posts the mailbox as five 32-bit words in this order");
 
 template <int kOutputThreads, int kWorkerThreads, int kFullBarrier = 2, int kDrainBarrier = 3>
 struct TileMailbox {
