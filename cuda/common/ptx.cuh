@@ -143,6 +143,17 @@ __device__ __forceinline__ void tma_load_2d(void* smem_dst, const void* tensor_m
       "l"(tensor_map), "r"(x), "r"(y), "r"(smem_u32(bar))
       : "memory");
 }
+// A tensor map in global memory gets dimension `dim`'s extent replaced, and is then made
+// visible to this thread's later TMA operations through it (the map is written through the
+// generic proxy and read through the tensormap proxy: a release then an acquire fence).
+template <int kDim>
+__device__ __forceinline__ void tensor_map_set_extent(void* global_map, int extent) {
+  asm volatile("tensormap.replace.tile.global_dim.global.b1024.b32 [%0], %1, %2;\n" ::"l"(global_map), "n"(kDim),
+               "r"(extent)
+               : "memory");
+  asm volatile("fence.proxy.tensormap::generic.release.gpu;\n" ::: "memory");
+  asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(global_map) : "memory");
+}
 // ---- thread-block clusters (the wgmma GEMM's CTA pairs) ----
 __device__ __forceinline__ uint32_t cluster_ctarank() {
   uint32_t r;

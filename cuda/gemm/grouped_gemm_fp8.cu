@@ -88,6 +88,14 @@
 //   sums to the first through shared memory, rounded to bf16 (the epilogue's first step
 //   rounds them to bf16 anyway, and a bf16 value widened to fp32 rounds back to itself),
 //   and the first warpgroup runs the unchanged epilogue.
+// - EPSERVE_GEMM_FP8_ZERO_PADDING=1 (shipped): an A box that reaches past its expert's last
+//   row (a tail tile's) is loaded through a copy of map_a whose row extent ends there, so TMA
+//   fills those rows with zeros instead of the next expert's rows. The tile's real rows get
+//   the same sums (each output row depends on its own A row only), but multiplying zeros
+//   switches less in the tensor cores, and this part's clock is bound by its power: at
+//   dsv3-prefill's balanced routing, where padding is 11% of the MMA rows, GEMM 1 runs
+//   1.5-1.8% faster and GEMM 2 0.6% (notes/gemm.md, fifteenth session). The copies live in
+//   global memory, a set per SM (one CTA an SM), rewritten on the device (tensormap.replace).
 // - EPSERVE_GEMM_FP8_BN=128 (GEMM 2 only): 128 x 128 tiles. Each warpgroup's share is one
 //   64 x 128 part; 16 KB B stages, a 34 KB output tile, so 5 stages instead of 3. Same bits:
 //   an output element's wgmmas and promotions do not depend on the tile's width (the same
@@ -123,6 +131,9 @@
 #ifndef EPSERVE_GEMM_FP8_RELEASE_BY_WARPGROUP
 #define EPSERVE_GEMM_FP8_RELEASE_BY_WARPGROUP 0
 #endif
+#ifndef EPSERVE_GEMM_FP8_ZERO_PADDING
+#define EPSERVE_GEMM_FP8_ZERO_PADDING 0
+#endif
 
 namespace {
 
@@ -137,6 +148,7 @@ constexpr int kHalfN = 128;  // columns of one part, and of one weight scale blo
 constexpr int kOutCols = kSwiGLU ? kBN / 2 : kBN;
 constexpr int kConsumers = 2, kConsumerThreads = 128 * kConsumers;
 constexpr bool kReleaseByWarpgroup = EPSERVE_GEMM_FP8_RELEASE_BY_WARPGROUP != 0;
+constexpr bool kZeroPadding = EPSERVE_GEMM_FP8_ZERO_PADDING != 0;
 // The arrivals that free a stage: one per consumer thread (the consumers' `release` says why).
 constexpr int kStageReleases = kReleaseByWarpgroup ? kConsumers : kConsumerThreads;
 constexpr int kThreads = 128 * (kConsumers + 1);
@@ -260,6 +272,18 @@ __device__ __forceinline__ void stage_load(const char* what, void* dst, const Te
 
 }  // namespace
 
+// EPSERVE_GEMM_FP8_ZERO_PADDING: per SM, copies of map_a whose row extent is cut at an
+// expert's end, so a box reaching past it loads zeros there. A copy is rewritten only after
+// every load through it has completed: kMaxStages + 1 copies, used in turn by the tiles that
+// need one, each tile at least one load, the rewrite after the tile's first wait for a free
+// stage, and the producer never more than the ring's stages ahead of the consumers (who wait
+// for each load). A set per SM serves one CTA at a time: the shared memory allows no second.
+constexpr int kPaddingMaps = kMaxStages + 1;
+static_assert(!kZeroPadding || kSmemBytes > 228 * 1024 / 2, "one CTA an SM: the padding maps are per SM");
+extern "C" {
+__device__ TensorMap epserve_gemm_padding_maps[kZeroPadding ? 256 : 1][kPaddingMaps];
+}
+
 extern "C" __constant__ int epserve_gemm_smem_bytes = kSmemBytes;
 extern "C" __constant__ int epserve_gemm_threads = kThreads;
 extern "C" __constant__ int epserve_gemm_stages = kStages;
@@ -340,6 +364,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x % 128 == 0) {
       int stage = 0;
       uint32_t phase = 0;
+      TensorMap* padding_maps = nullptr;
+      int padding_map = 0;
+      if constexpr (kZeroPadding) {
+        int smid;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+        padding_maps = epserve_gemm_padding_maps[smid & 255];
+        for (int m = 0; m < kPaddingMaps; ++m) padding_maps[m] = map_a;
+      }
       for (;;) {
         const int index = atomicAdd(tile_counter, 1);
         if (index >= sched.total_tiles) {
@@ -356,12 +388,21 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         const GroupedTile t = sched.tile(index);
         const int a_boxes = t.rows > 64 ? 2 : 1;  // a tail of at most 64 rows loads (and computes) one half
         const int b_row = t.expert * b_rows + t.n_abs;
+        const TensorMap* a_map = &map_a;
         for (int kt = 0; kt < k_blocks; ++kt) {
           mbarrier_wait(&empty[stage], phase ^ 1);  // every consumer thread is done with the stage
           if (kt == 0) stage_tile[stage] = index;
+          if (kZeroPadding && kt == 0 && t.m_abs + 64 * a_boxes > t.m_end) {
+            // Rows past the expert's end (the next expert's) load as zeros: the same sums for
+            // the tile's real rows, and zeros switch the tensor cores' multipliers less.
+            TensorMap* m = padding_maps + padding_map;
+            padding_map = padding_map + 1 == kPaddingMaps ? 0 : padding_map + 1;
+            tensor_map_set_extent<1>(m, t.m_end);
+            a_map = m;
+          }
           mbarrier_expect_tx(&full[stage], a_boxes * kHalfA + kStageB + kScaleBoxBytes);
           for (int h = 0; h < a_boxes; ++h)
-            stage_load<kLoadA>("A", ring_a + stage * kStageA + h * kHalfA, &map_a, &full[stage], kt * kBK,
+            stage_load<kLoadA>("A", ring_a + stage * kStageA + h * kHalfA, a_map, &full[stage], kt * kBK,
                                t.m_abs + 64 * h, 1, 1024, kHalfA, index);
           // The scales of the tile's rows, from a 16-byte aligned column (past the end of A:
           // zeros, never used).

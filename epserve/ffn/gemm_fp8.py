@@ -31,15 +31,19 @@ _NO_PEERS = launch_arg(np.zeros(1, PEER_SEND_CONFIG))
 # defines, each naming every knob it sets. The shipped variants (runtime/kernels.py) are
 # "split" for both GEMMs, the fastest at dsv3-prefill's balanced and uniform routings and on
 # a dense problem on one H200 (notes/gemm.md, ninth session: GEMM 1 had shipped
-# "split+overlap", 4-5% slower there); "plain" is the build without either.
+# "split+overlap", 4-5% slower there), with the padding rows past an expert's end loaded as
+# zeros (fifteenth session: 1.5-1.8% on GEMM 1 by power alone); "plain" is the build without
+# any of them.
 # launch/jobs/time_gemm_fp8.py --variants times them against the shipped ones,
 # tests/gpu/test_gemm_fp8.py holds each to the shipped build's bits, tests/cpu/test_build.py
 # compiles them. Names with "n128" are GEMM 2's only (the kernel refuses them with SwiGLU).
-_PLAIN = {"EPSERVE_GEMM_FP8_SPLIT_TAILS": 0, "EPSERVE_GEMM_FP8_OVERLAP": 0}
+_PLAIN = {"EPSERVE_GEMM_FP8_SPLIT_TAILS": 0, "EPSERVE_GEMM_FP8_OVERLAP": 0, "EPSERVE_GEMM_FP8_ZERO_PADDING": 0}
 KNOBS: dict[str, dict[str, int]] = {
     "plain": _PLAIN,
-    "split": {**_PLAIN, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1},
-    "split+overlap": {"EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_OVERLAP": 1},
+    "split": {**_PLAIN, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_ZERO_PADDING": 1},
+    # the shipped build until the fifteenth session: padding rows loaded from the next expert
+    "split-unzeroed": {**_PLAIN, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1},
+    "split+overlap": {**_PLAIN, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_OVERLAP": 1},
     "n128": {**_PLAIN, "EPSERVE_GEMM_FP8_BN": 128},
     "n128+overlap": {**_PLAIN, "EPSERVE_GEMM_FP8_BN": 128, "EPSERVE_GEMM_FP8_OVERLAP": 1},
 }

@@ -25,6 +25,8 @@ OFF_NODE_DEDUP_SOURCE = "comm/off_node_dedup.cu"  # the relay with each token on
 OVERLAP = {"EPSERVE_SINK": "EpPeerSinkCountingOffNode", "EPSERVE_GEMM_OFFNODE_FIRST": 1}
 BULK = {"EPSERVE_SINK": "EpPeerSinkBulk", "EPSERVE_SINK_BULK": 1}
 FP8_GEMM_SOURCE = "gemm/grouped_gemm_fp8.cu"  # block-scaled e4m3 wgmma, the bf16 wgmma GEMM's structure
+# The shipped FP8 GEMM builds' knobs (epserve/ffn/gemm_fp8.py KNOBS["split"]).
+FP8_SHIPPED = {"EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_OVERLAP": 0, "EPSERVE_GEMM_FP8_ZERO_PADDING": 1}
 FP8_QUANTIZE_SOURCE = "ffn/quantize_fp8.cu"
 
 # name -> (source, defines)
@@ -41,18 +43,16 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     "gemm1_wgmma_swiglu": (WGMMA_GEMM_SOURCE, {"EPSERVE_SINK": SINKS["null"], "EPSERVE_GEMM_SWIGLU": 1}),
     # FP8 experts (issue 16): GEMM 2 with either sink, GEMM 1 with SwiGLU and act quantized
     # for GEMM 2 in its epilogue, and the quantizers of weights and activations
-    # FP8 GEMMs: a tile of at most 64 real rows split over both warpgroups: epserve/ffn/gemm_fp8.py
-    # KNOBS (the overlapped promotion measured slower: a knob)
-    **{f"gemm_fp8_{sink}": (FP8_GEMM_SOURCE, {"EPSERVE_SINK": cls, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1,
-                                                "EPSERVE_GEMM_FP8_OVERLAP": 0})
-       for sink, cls in SINKS.items()},
+    # FP8 GEMMs: a tile of at most 64 real rows split over both warpgroups, and the padding rows
+    # past an expert's end loaded as zeros: epserve/ffn/gemm_fp8.py KNOBS (the overlapped
+    # promotion measured slower: a knob)
+    **{f"gemm_fp8_{sink}": (FP8_GEMM_SOURCE, {"EPSERVE_SINK": cls, **FP8_SHIPPED}) for sink, cls in SINKS.items()},
     # GEMM 2's peer sink with bulk asynchronous copies (EPSERVE_SINK_STORES=bulk, opt-in:
     # epserve/ffn/gemm.py peer_stores; cuda/sinks/row_scatter_bulk.cuh)
     "gemm_wgmma_peer_bulk": (WGMMA_GEMM_SOURCE, BULK),
     "gemm_wgmma_peer_bulk_split": (WGMMA_GEMM_SOURCE, {**BULK, "EPSERVE_GEMM_SPLIT_K": 2}),
-    "gemm_fp8_peer_bulk": (FP8_GEMM_SOURCE, {**BULK, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_OVERLAP": 0}),
-    "gemm1_fp8_swiglu": (FP8_GEMM_SOURCE, {"EPSERVE_SINK": SINKS["null"], "EPSERVE_GEMM_SWIGLU": 1,
-                                           "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_OVERLAP": 0}),
+    "gemm_fp8_peer_bulk": (FP8_GEMM_SOURCE, {**BULK, **FP8_SHIPPED}),
+    "gemm1_fp8_swiglu": (FP8_GEMM_SOURCE, {"EPSERVE_SINK": SINKS["null"], "EPSERVE_GEMM_SWIGLU": 1, **FP8_SHIPPED}),
     "quantize_fp8": (FP8_QUANTIZE_SOURCE, {}),
     "combine": (COMBINE_SOURCE, {}),
     "rows": (ROWS_SOURCE, {}),
