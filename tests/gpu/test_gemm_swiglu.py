@@ -145,7 +145,7 @@ def _knob_variant(monkeypatch, base: str, knob: dict) -> str:
     return name
 
 
-@pytest.mark.parametrize("knob,swiglu,shape", _knob_cases())
+@pytest.mark.parametrize("knob,swiglu,shape", list(_knob_cases()))  # pytest 10 takes no generator
 def test_build_knobs_give_the_same_bits(knob, swiglu, shape, monkeypatch):
     """The wgmma GEMM's compile-time knobs change how tiles are fed and computed (CTA pairs
     sharing A or B by multicast, or single CTAs; partial m-tiles with A and B swapped; tiles
