@@ -80,6 +80,33 @@ def test_fp8_consumer_loop_probe_compiles_at_every_level(cache):
         build.compile_source(probe.SOURCE, {"EPSERVE_PROBE_LEVEL": 7})
 
 
+# The FP8 GEMM's diagnostic builds (cuda/gemm/grouped_gemm_fp8.cu, launch/jobs/probe_gemm_fp8.py):
+# not shipped, so not in kernels.VARIANTS, but the next GPU run needs them to compile.
+FP8_PROBE_KNOBS = [
+    {"EPSERVE_GEMM_FP8_TMA_LOADS": 0, "EPSERVE_GEMM_FP8_MMA": 0},
+    {"EPSERVE_GEMM_FP8_TMA_LOADS": 2, "EPSERVE_GEMM_FP8_MMA": 0, "EPSERVE_GEMM_FP8_CHECK_TMA": 1},
+    {"EPSERVE_GEMM_FP8_TMA_LOADS": 0},
+    {"EPSERVE_GEMM_FP8_CHECK_TMA": 1},
+    {"EPSERVE_GEMM_FP8_UNALIGNED_SCALES": 1},
+    {"EPSERVE_GEMM_FP8_RELEASE_BY_WARPGROUP": 1},  # the pre-fix stage release (launch/jobs/check_fp8_race.py)
+]
+
+
+@pytest.mark.parametrize("knobs", FP8_PROBE_KNOBS, ids=lambda k: "+".join(f"{a}={b}" for a, b in k.items()))
+@pytest.mark.parametrize("base", ["gemm_fp8_null", "gemm1_fp8_swiglu"])
+def test_fp8_diagnostic_builds_compile(base, knobs, cache):
+    """Before test_key_covers_defines_options_and_every_included_header on purpose, as the
+    experimental builds' test above (after NVRTC has compiled a -G program, the no-load
+    builds spill 16 bytes in the same process, none in a fresh one)."""
+    source, defines = kernels.VARIANTS[base]
+    art = build.compile_source(source, {**defines, **knobs})
+    assert not re.search(r"[1-9]\d* bytes spill stores", art.log), art.log
+    ptx = art.ptx.read_text()
+    has_wgmma = "wgmma.mma_async" in ptx
+    assert has_wgmma == (knobs.get("EPSERVE_GEMM_FP8_MMA", 1) != 0)
+    assert ("cp.async.bulk.tensor" in ptx) == (knobs.get("EPSERVE_GEMM_FP8_TMA_LOADS", 7) != 0)
+
+
 SPLIT_K = {"EPSERVE_GEMM_SPLIT_K": 2}
 
 
@@ -280,30 +307,6 @@ def test_kernel_functions_are_looked_up_once_per_device(monkeypatch):
         assert loads == ["rows", "rows", "rows"]
     finally:
         kernels._function.cache_clear()
-
-
-# The FP8 GEMM's diagnostic builds (cuda/gemm/grouped_gemm_fp8.cu, launch/jobs/probe_gemm_fp8.py):
-# not shipped, so not in kernels.VARIANTS, but the next GPU run needs them to compile.
-FP8_PROBE_KNOBS = [
-    {"EPSERVE_GEMM_FP8_TMA_LOADS": 0, "EPSERVE_GEMM_FP8_MMA": 0},
-    {"EPSERVE_GEMM_FP8_TMA_LOADS": 2, "EPSERVE_GEMM_FP8_MMA": 0, "EPSERVE_GEMM_FP8_CHECK_TMA": 1},
-    {"EPSERVE_GEMM_FP8_TMA_LOADS": 0},
-    {"EPSERVE_GEMM_FP8_CHECK_TMA": 1},
-    {"EPSERVE_GEMM_FP8_UNALIGNED_SCALES": 1},
-    {"EPSERVE_GEMM_FP8_RELEASE_BY_WARPGROUP": 1},  # the pre-fix stage release (launch/jobs/check_fp8_race.py)
-]
-
-
-@pytest.mark.parametrize("knobs", FP8_PROBE_KNOBS, ids=lambda k: "+".join(f"{a}={b}" for a, b in k.items()))
-@pytest.mark.parametrize("base", ["gemm_fp8_null", "gemm1_fp8_swiglu"])
-def test_fp8_diagnostic_builds_compile(base, knobs, cache):
-    source, defines = kernels.VARIANTS[base]
-    art = build.compile_source(source, {**defines, **knobs})
-    assert not re.search(r"[1-9]\d* bytes spill stores", art.log), art.log
-    ptx = art.ptx.read_text()
-    has_wgmma = "wgmma.mma_async" in ptx
-    assert has_wgmma == (knobs.get("EPSERVE_GEMM_FP8_MMA", 1) != 0)
-    assert ("cp.async.bulk.tensor" in ptx) == (knobs.get("EPSERVE_GEMM_FP8_TMA_LOADS", 7) != 0)
 
 
 def test_fp8_probe_job_names_only_real_knobs():
