@@ -20,6 +20,7 @@ from epserve.ffn.fp8 import _i64
 from epserve.ffn.gemm import _gemm_kernel, _tile_counter, peer_variant, run
 from epserve.runtime import tma
 from epserve.runtime.kernel_structs import PEER_SEND_CONFIG, i32, launch_arg
+from epserve.runtime.kernels import FP8_SHIPPED
 from epserve.runtime.launch import NULL, module_int, sm_count
 
 BLOCK = 128
@@ -40,7 +41,7 @@ _NO_PEERS = launch_arg(np.zeros(1, PEER_SEND_CONFIG))
 _PLAIN = {"EPSERVE_GEMM_FP8_SPLIT_TAILS": 0, "EPSERVE_GEMM_FP8_OVERLAP": 0, "EPSERVE_GEMM_FP8_ZERO_PADDING": 0}
 KNOBS: dict[str, dict[str, int]] = {
     "plain": _PLAIN,
-    "split": {**_PLAIN, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_ZERO_PADDING": 1},
+    "split": {**_PLAIN, **FP8_SHIPPED},
     # the shipped build until the fifteenth session: padding rows loaded from the next expert
     "split-unzeroed": {**_PLAIN, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1},
     "split+overlap": {**_PLAIN, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_OVERLAP": 1},

@@ -25,7 +25,8 @@ OFF_NODE_DEDUP_SOURCE = "comm/off_node_dedup.cu"  # the relay with each token on
 OVERLAP = {"EPSERVE_SINK": "EpPeerSinkCountingOffNode", "EPSERVE_GEMM_OFFNODE_FIRST": 1}
 BULK = {"EPSERVE_SINK": "EpPeerSinkBulk", "EPSERVE_SINK_BULK": 1}
 FP8_GEMM_SOURCE = "gemm/grouped_gemm_fp8.cu"  # block-scaled e4m3 wgmma, the bf16 wgmma GEMM's structure
-# The shipped FP8 GEMM builds' knobs (epserve/ffn/gemm_fp8.py KNOBS["split"]).
+# The shipped FP8 GEMM builds' knobs: split tails, no overlapped promotion, padding rows
+# loaded as zeros (epserve/ffn/gemm_fp8.py KNOBS["split"] is this build).
 FP8_SHIPPED = {"EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_OVERLAP": 0, "EPSERVE_GEMM_FP8_ZERO_PADDING": 1}
 FP8_QUANTIZE_SOURCE = "ffn/quantize_fp8.cu"
 
