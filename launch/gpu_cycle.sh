@@ -8,6 +8,8 @@
 #   bash launch/gpu_cycle.sh timing            # the GEMMs and the one-GPU combine, ~1 min
 #   bash launch/gpu_cycle.sh profile           # ncu: the wgmma GEMMs' L2/DRAM bytes per build, ~2 min
 #   bash launch/gpu_cycle.sh profile-fp8       # ncu: the FP8 GEMMs' clock, L2/DRAM bytes, stalls, ~1 min
+#   bash launch/gpu_cycle.sh sustained         # the GEMMs back to back at the power limit, in blocks, with
+#                                              # power, clock and throttle reasons; the knob builds, ~2 min
 #   bash launch/gpu_cycle.sh layer             # issue 13's two-GPU timings: dispatch kernels, the
 #                                              # decode layer eager and from a graph, host time, ~2 min
 #   bash launch/gpu_cycle.sh review-x2         # two GPUs, what three issues wait for: the FP8 bench, the
@@ -76,6 +78,10 @@ lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,dram__bytes_read.sum \
                    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --metrics \
 sm__cycles_elapsed.avg.per_second,lts__t_sectors_op_read.sum,dram__bytes_read.sum,dram__bytes_write.sum \
                    python3 launch/jobs/time_gemm_fp8.py --routing balanced uniform --skip-bf16 --warmup 0 --iters 1 ;;
+        # The expert GEMMs as a layer runs them, at the power limit: long blocks of launches per
+        # build, alternated, with nvidia-smi's power and clock (notes/gemm.md, sixteenth session).
+        sustained) stage sustained "^#|^GEMM" env PYTHONPATH=. python3 launch/jobs/time_gemm_sustained.py \
+                   --routing balanced uniform --knobs split-unzeroed split+overlap --bf16 ;;
         # Issue 13 on two GPUs: the dispatch (<= 300 us at dsv3-prefill 4096), the decode layer
         # replayed from a graph (<= 2.9 ms, eager within 5%), and forward's host time (<= 50 us).
         layer) share=$([ "$gpus" -ge 2 ] || echo --share-gpu)
