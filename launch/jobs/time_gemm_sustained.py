@@ -12,7 +12,8 @@ previous block). Blocks alternate between builds, in reverse order every other r
 ...), so a drift over the job falls on every build alike; a row gives each round's block and
 their median. `--knobs` adds experimental builds (epserve.ffn.gemm_fp8.KNOBS), each checked
 element by element against the shipped build (#wrong: elements that differ in any bit);
-`--bf16` adds the bf16 wgmma GEMMs on the same rows.
+`--bf16` adds the bf16 wgmma GEMMs on the same rows, `--bf16-knobs` their experimental builds
+(checked against the shipped bf16 build the same way).
 
 Why blocks: an H200 running these GEMMs sits at its 700 W limit with the SM clock near
 1.4 GHz, and the clock follows power averaged over much longer than one launch. Builds timed
@@ -34,6 +35,10 @@ from epserve.arrays import BF16
 from epserve.bench import arithmetic, power, presets
 from epserve.check.fp8_reference import scale_ld
 from epserve.ffn import fp8, gemm, gemm_fp8
+from epserve.runtime import kernels
+
+# The bf16 wgmma GEMM's experimental builds (cuda/gemm/grouped_gemm_wgmma.cu's knobs)
+BF16_KNOBS = {"split-tails": {"EPSERVE_GEMM_SPLIT_TAILS": 1}, "swap-tails": {"EPSERVE_GEMM_SWAP_TAILS": 1}}
 
 
 def settled_ms(samples: list) -> float:
@@ -91,14 +96,26 @@ def fp8_builds(base: str, knobs: list) -> list:
                                        if gemm_fp8.knob_applies(base, k)]
 
 
+def bf16_builds(base: str, knobs: list) -> list:
+    """(row name, variant) of the bf16 build `base` and of each of BF16_KNOBS given, registered
+    in kernels.VARIANTS."""
+    builds = [("bf16 wgmma", base)]
+    for k in knobs:
+        source, defines = kernels.VARIANTS[base]
+        kernels.VARIANTS[f"{base}+{k}"] = (source, {**defines, **BF16_KNOBS[k]})
+        builds.append((f"bf16 wgmma, {k}", f"{base}+{k}"))
+    return builds
+
+
 def operands(rs, offsets_host, K):
     """offsets on the device, and fresh random A [M, K] rows in bf16 and quantized."""
     A = rs.standard_normal((int(offsets_host[-1]), K), dtype=np.float32).astype(BF16)
     return cupy.asarray(offsets_host), A, fp8.quantize_rows(A)
 
 
-def gemm1_runs(rs, offsets_host, weights, H, I, knobs, bf16_w13):
-    """name -> (launch, output) for GEMM 1's builds; outputs poisoned before the first launch."""
+def gemm1_runs(rs, offsets_host, weights, H, I, knobs, bf16_w13, bf16_knobs):
+    """name -> (launch, output, the name of the build it must equal) for GEMM 1's builds;
+    outputs poisoned before the first launch."""
     E, M = weights.w13.shape[0], int(offsets_host[-1])
     offsets, A, (a_q, a_s) = operands(rs, offsets_host, H)
     runs = {}
@@ -106,14 +123,16 @@ def gemm1_runs(rs, offsets_host, weights, H, I, knobs, bf16_w13):
         out = (cupy.full((M, I), 0x7F, np.uint8), cupy.full((I // 128, scale_ld(M)), np.nan, np.float32))
         specs = gemm_fp8._specs(variant, a_q, a_s, weights.w13, weights.w13_scales, E * 2 * I, *out, offsets, E, I,
                                 H, gemm_fp8._NO_PEERS, 0)
-        runs[name] = (lambda specs=specs: gemm_fp8.run(specs), (out[0], out[1][:, :M]))
+        runs[name] = (lambda specs=specs: gemm_fp8.run(specs), (out[0], out[1][:, :M]), "FP8, shipped")
     if bf16_w13 is not None:
-        act = cupy.empty((M, I), BF16)
-        runs["bf16 wgmma"] = (lambda: gemm.gemm1_swiglu(A, bf16_w13, act, offsets, E, I, H), None)
+        for name, variant in bf16_builds("gemm1_wgmma_swiglu", bf16_knobs):
+            act = cupy.full((M, I), np.nan, BF16)
+            specs = gemm._wgmma_specs(variant, A, bf16_w13, E * 2 * I, act, offsets, E, I, H, gemm._NO_PEERS, 0)
+            runs[name] = (lambda specs=specs: gemm.run(specs), act, "bf16 wgmma")
     return runs, arithmetic.gemm1_flops(M, H, I)
 
 
-def gemm2_runs(rs, offsets_host, weights, H, I, knobs, bf16_w2):
+def gemm2_runs(rs, offsets_host, weights, H, I, knobs, bf16_w2, bf16_knobs):
     """name -> (launch, output) for GEMM 2's builds (the null sink: C stored)."""
     E, M = weights.w2.shape[0], int(offsets_host[-1])
     offsets, A, (a_q, a_s) = operands(rs, offsets_host, I)
@@ -122,22 +141,23 @@ def gemm2_runs(rs, offsets_host, weights, H, I, knobs, bf16_w2):
         C = cupy.full((M, H), np.nan, BF16)
         specs = gemm_fp8._specs(variant, a_q, a_s, weights.w2, weights.w2_scales, E * H, C, None, offsets, E, H, I,
                                 gemm_fp8._NO_PEERS, 0)
-        runs[name] = (lambda specs=specs: gemm_fp8.run(specs), C)
+        runs[name] = (lambda specs=specs: gemm_fp8.run(specs), C, "FP8, shipped")
     if bf16_w2 is not None:
-        C_bf16 = cupy.empty((M, H), BF16)
-        runs["bf16 wgmma"] = (lambda: gemm.grouped_gemm("null", A, bf16_w2, C_bf16, offsets, E, H, I), None)
+        for name, variant in bf16_builds("gemm_wgmma_null", bf16_knobs):
+            C = cupy.full((M, H), np.nan, BF16)
+            specs = gemm._wgmma_specs(variant, A, bf16_w2, E * H, C, offsets, E, H, I, gemm._NO_PEERS, 0)
+            runs[name] = (lambda specs=specs: gemm.run(specs), C, "bf16 wgmma")
     return runs, arithmetic.gemm2_flops(M, H, I)
 
 
 def measure(gemm_name: str, runs: dict, flops: float, args, log: power.PowerLog) -> list:
     """Times the builds; returns their rows as callables that format them once `log` has
     its samples (nvidia-smi's output is read when the log closes)."""
-    timed = time_blocks({n: fn for n, (fn, _) in runs.items()}, args.launches, args.rounds, log)
-    ref = runs["FP8, shipped"][1]
+    timed = time_blocks({n: fn for n, (fn, _, _) in runs.items()}, args.launches, args.rounds, log)
     rows = []
     for name, (times, spans) in timed.items():
-        out = runs[name][1]
-        n_wrong = "-" if out is None else str(wrong(out, ref))
+        _, out, ref = runs[name]
+        n_wrong = str(wrong(out, runs[ref][1]))
         ms = float(np.median(times))
         blocks = " ".join(f"{t * 1e3:7.0f}" for t in times)
 
@@ -161,6 +181,8 @@ def main():
     p.add_argument("--knobs", nargs="*", default=[], choices=sorted(gemm_fp8.KNOBS),
                    help="experimental FP8 builds to time beside the shipped one")
     p.add_argument("--bf16", action="store_true", help="also the bf16 wgmma GEMMs on the same rows")
+    p.add_argument("--bf16-knobs", nargs="*", default=[], choices=sorted(BF16_KNOBS),
+                   help="experimental bf16 builds to time beside the shipped one (implies --bf16)")
     args = p.parse_args()
     if args.launches < 3 or args.rounds < 1:
         p.error("--launches must be at least 3 and --rounds at least 1")
@@ -179,6 +201,7 @@ def main():
     w13 = (rs.standard_normal((E, 2 * I, H), dtype=np.float32) / np.sqrt(H)).astype(BF16)
     w2 = (rs.standard_normal((E, H, I), dtype=np.float32) / np.sqrt(I)).astype(BF16)
     weights = fp8.quantize_weights(w13, w2)
+    args.bf16 = args.bf16 or bool(args.bf16_knobs)
     bf16_w13 = cupy.asarray(w13) if args.bf16 else None
     bf16_w2 = cupy.asarray(w2) if args.bf16 else None
     del w13, w2
@@ -192,8 +215,10 @@ def main():
             rounds = " ".join(f"{'r' + str(r) + ' us':>7}" for r in range(args.rounds))
             lines.append(f"{'GEMM':<8}{'build':<28}{rounds}  {'us':>8}{'TFLOP/s':>9}  "
                          f"{'power, SM clock, capped':<32}{'#wrong':>7}")
-            lines += measure("GEMM 1", *gemm1_runs(rs, offsets_host, weights, H, I, args.knobs, bf16_w13), args, log)
-            lines += measure("GEMM 2", *gemm2_runs(rs, offsets_host, weights, H, I, args.knobs, bf16_w2), args, log)
+            g1 = gemm1_runs(rs, offsets_host, weights, H, I, args.knobs, bf16_w13, args.bf16_knobs)
+            lines += measure("GEMM 1", *g1, args, log)
+            g2 = gemm2_runs(rs, offsets_host, weights, H, I, args.knobs, bf16_w2, args.bf16_knobs)
+            lines += measure("GEMM 2", *g2, args, log)
     for line in lines:
         print(line if isinstance(line, str) else line())
     if log.unavailable:
