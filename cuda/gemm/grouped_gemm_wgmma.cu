@@ -95,9 +95,6 @@
 #ifndef EPSERVE_GEMM_OFFNODE_FIRST
 #define EPSERVE_GEMM_OFFNODE_FIRST 0  // 1: the m-tiles holding rows bound off-node are handed out first
 #endif
-#ifndef EPSERVE_GEMM_SPLIT_TAILS
-#define EPSERVE_GEMM_SPLIT_TAILS 0  // 1: a tile of at most 64 rows runs on both warpgroups, a column half each
-#endif
 #ifndef EPSERVE_GEMM_SWAP_STEP
 #define EPSERVE_GEMM_SWAP_STEP 16  // a swapped tile's rows are rounded up to this: 16, 32, 64 or 128
 #endif
@@ -150,12 +147,6 @@ static_assert(!kOffNodeFirst || (Sink::kEnabled && !kSwiGLU && kCluster == 1 && 
 static_assert(kSplitK == 1 || (!kSwiGLU && !kSwapTails && kCluster == 1 && kBN == 256),
               "split K: GEMM 2's 128 x 256 tiles on single CTAs (no SwiGLU, swapped tails, CTA pairs or BN=128)");
 constexpr int kAcc = kBN / 2;  // fp32 accumulators per consumer thread (m64 x kBN per warpgroup)
-// Split tails (EPSERVE_GEMM_SPLIT_TAILS): the 256-wide single-CTA tiles of the default path;
-// the swapped tails and the CTA pairs have their own tail handling.
-constexpr bool kSplitTails = EPSERVE_GEMM_SPLIT_TAILS != 0;
-static_assert(!kSplitTails || (kBN == 256 && !kSwapTails && kCluster == 1),
-              "split tails: 128 x 256 tiles on single CTAs, without swapped tails");
-constexpr int kHalfN = 128;  // columns of a split tail's warpgroup (a SwiGLU tile's gate or up half)
 constexpr int kOutCols = kSwiGLU ? kBN / 2 : kBN;  // output columns of a tile
 constexpr int kConsumers = 2, kConsumerThreads = 128 * kConsumers;
 constexpr int kThreads = 128 * (kConsumers + 1);
@@ -524,14 +515,7 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
       // in its 64 skips the MMA.
       const int swap_n =
           kSwapTails && has_cols && t.rows < kBM ? (t.rows + kSwapStep - 1) / kSwapStep * kSwapStep : 0;
-      // A split tail (at most 64 real rows): warpgroup h computes column half h of rows 0-63,
-      // as m64n128 wgmmas on the same A rows and B half that the lone warpgroup's m64n256
-      // would read (the same bits: a column's sums do not depend on N). GEMM 2's last column
-      // tile may have no second half.
-      const bool split = kSplitTails && has_cols && t.rows <= 64;
-      const bool second_half = kSwiGLU || t.n_abs + kHalfN < N;
-      const bool computes =
-          has_cols && (swap_n > 0 || (split ? (warpgroup == 0 || second_half) : warpgroup * 64 < t.rows));
+      const bool computes = has_cols && (swap_n > 0 || warpgroup * 64 < t.rows);
       // A swapped tile's accumulators: m-block 0 in acc[0, N/2), m-block 1 in acc2. Not in
       // acc + 64: ptxas serializes every wgmma of the kernel when one instruction's
       // accumulators are a sub-range of another's (C7511). acc2 lives in this loop body and
@@ -583,8 +567,7 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
       const long long split_slot =
           (static_cast<long long>(item.tile) * kConsumers + warpgroup) * (kAcc / 2) * 128 + tid % 128;
       unsigned* const split_flag = split_state + SplitK::kStateHead + item.tile * kConsumers + warpgroup;
-      // The tile's starting sums: a second K half's from the workspace, else zeros.
-      auto start_sums = [&] {
+      if (swap_n == 0 && computes) {
         if (kSplitK > 1 && item.part > 0) {
           // A second half: wait until the first half's warpgroup has stored its accumulators
           // (each thread acquires the flag itself), then start from them. A wait that runs out
@@ -613,18 +596,6 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
 #pragma unroll
           for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;  // ends the previous tile's live range; the MMA overwrites it
         }
-      };
-      if (swap_n == 0 && computes && split) {
-        start_sums();
-        mainloop([&](const unsigned char* a, const unsigned char* b, int kt) {
-#pragma unroll
-          for (int kk = 0; kk < kBK / 16; ++kk)
-            wgmma_m64nNk16<kHalfN>(acc, smem_desc_sw128(a + kk * 32),
-                                   smem_desc_sw128(b + warpgroup * kHalfN * 128 + kk * 32), (kt | kk) != 0);
-        });
-        fence_operands_prefix<kHalfN / 2>(acc);
-      } else if (swap_n == 0 && computes) {
-        start_sums();
         mainloop([&](const unsigned char* a, const unsigned char* b, int kt) {
 #pragma unroll
           for (int kk = 0; kk < kBK / 16; ++kk)
@@ -666,37 +637,10 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
       }
       // Accumulators -> bf16 -> the shared output tile. n8 block j of this thread: values
       // 4j, 4j+1 at (row g, cols 8j + 2q, +1), 4j+2, 4j+3 at row g + 8.
-      const int row = (split ? 0 : warpgroup * 64) + warp * 16 + lane / 4;
+      const int row = warpgroup * 64 + warp * 16 + lane / 4;
       const int colq = 2 * (lane % 4);
       auto put = [&](int r, int col, uint32_t v) { *reinterpret_cast<uint32_t*>(out_tile + OutTile::offset(r, col)) = v; };
-      if (split && kSwiGLU) {
-        // The up half (warpgroup 1) reaches the gate half's threads through the output tile's
-        // second half, which a tile of 64 rows does not use, as the bf16 pairs the epilogue
-        // rounds it to anyway (word i of thread t at i * 128 + t); then the default SwiGLU.
-        static_assert(!kSplitTails || !kSwiGLU || OutTile::kBytes / 2 >= kHalfN / 4 * 128 * 4,
-                      "the split tails' exchange fits the output tile's second half");
-        uint32_t* xchg = reinterpret_cast<uint32_t*>(out_tile) + OutTile::kBytes / 8;
-        const int t128 = tid % 128;
-        if (warpgroup == 1) {
-#pragma unroll
-          for (int i = 0; i < kHalfN / 4; ++i) xchg[i * 128 + t128] = pack_bf16x2(acc[2 * i], acc[2 * i + 1]);
-        }
-        named_barrier_sync<kEpilogueBarrier, kConsumerThreads>();
-        if (warpgroup == 0) {
-#pragma unroll
-          for (int j = 0; j < kOutCols / 8; ++j) {
-            put(row, 8 * j + colq, swiglu_bf16x2(pack_bf16x2(acc[4 * j], acc[4 * j + 1]), xchg[2 * j * 128 + t128]));
-            put(row + 8, 8 * j + colq,
-                swiglu_bf16x2(pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]), xchg[(2 * j + 1) * 128 + t128]));
-          }
-        }
-      } else if (split && computes) {  // GEMM 2: column half h of rows 0-63
-#pragma unroll
-        for (int j = 0; j < kHalfN / 8; ++j) {
-          put(row, warpgroup * kHalfN + 8 * j + colq, pack_bf16x2(acc[4 * j], acc[4 * j + 1]));
-          put(row + 8, warpgroup * kHalfN + 8 * j + colq, pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]));
-        }
-      } else if (swap_n == 0 && computes) {
+      if (swap_n == 0 && computes) {
         if constexpr (kSwiGLU) {  // block j holds gate columns, block j + kOutCols / 8 the same columns' up
 #pragma unroll
           for (int j = 0; j < kOutCols / 8; ++j) {

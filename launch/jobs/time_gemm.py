@@ -39,12 +39,10 @@ VARIANTS = {
     "gemm_wgmma_null+cluster2B": ("gemm_wgmma_null", {"EPSERVE_GEMM_CLUSTER": 2, "EPSERVE_GEMM_CLUSTER_SHARES_B": 1}),
     "gemm_wgmma_null+swap": ("gemm_wgmma_null", {"EPSERVE_GEMM_SWAP_TAILS": 1}),
     "gemm_wgmma_null+n128": ("gemm_wgmma_null", {"EPSERVE_GEMM_BN": 128}),
-    "gemm_wgmma_null+split": ("gemm_wgmma_null", {"EPSERVE_GEMM_SPLIT_TAILS": 1}),
     "gemm1_wgmma_swiglu+cluster2": ("gemm1_wgmma_swiglu", {"EPSERVE_GEMM_CLUSTER": 2}),
     "gemm1_wgmma_swiglu+cluster2B": ("gemm1_wgmma_swiglu", {"EPSERVE_GEMM_CLUSTER": 2,
                                                             "EPSERVE_GEMM_CLUSTER_SHARES_B": 1}),
     "gemm1_wgmma_swiglu+swap": ("gemm1_wgmma_swiglu", {"EPSERVE_GEMM_SWAP_TAILS": 1}),
-    "gemm1_wgmma_swiglu+split": ("gemm1_wgmma_swiglu", {"EPSERVE_GEMM_SPLIT_TAILS": 1}),
 }
 
 

@@ -113,15 +113,12 @@ def test_ragged_tails_match_float64(N, K):
 
 
 SPLIT_K = {"EPSERVE_GEMM_SPLIT_K": 2}
-SPLIT_TAILS = {"EPSERVE_GEMM_SPLIT_TAILS": 1}
 KNOBS = [{"EPSERVE_GEMM_CLUSTER": 2},
          {"EPSERVE_GEMM_CLUSTER": 2, "EPSERVE_GEMM_CLUSTER_SHARES_B": 1},
          {"EPSERVE_GEMM_SWAP_TAILS": 1},
          {"EPSERVE_GEMM_SWAP_TAILS": 1, "EPSERVE_GEMM_SWAP_STEP": 32},
          {"EPSERVE_GEMM_BN": 128},
-         SPLIT_K,
-         SPLIT_TAILS,
-         {**SPLIT_TAILS, **SPLIT_K}]
+         SPLIT_K]
 GEMM2_ONLY = ("EPSERVE_GEMM_BN", "EPSERVE_GEMM_SPLIT_K")  # the kernel refuses them with SwiGLU (static_assert)
 # Split K's own shapes (rows per expert, N, K) beside the default one: more tiles than SMs
 # (81 m-tiles x 5 column tiles, the last one 64 wide) with an odd count of k-slices (7, split
@@ -135,10 +132,8 @@ def _knob_cases():
             if not (swiglu and any(k in knob for k in GEMM2_ONLY)):
                 yield pytest.param(knob, swiglu, None, id="+".join(f"{k}={v}" for k, v in knob.items()) +
                                    ("-gemm1" if swiglu else "-gemm2"))
-    for knob in (SPLIT_K, {**SPLIT_TAILS, **SPLIT_K}):
-        for rows, N, K in SPLIT_K_SHAPES:
-            yield pytest.param(knob, False, (rows, N, K),
-                               id="+".join(f"{k}={v}" for k, v in knob.items()) + f"-gemm2-{len(rows)}x{N}x{K}")
+    for rows, N, K in SPLIT_K_SHAPES:
+        yield pytest.param(SPLIT_K, False, (rows, N, K), id=f"EPSERVE_GEMM_SPLIT_K=2-gemm2-{len(rows)}x{N}x{K}")
 
 
 def _knob_variant(monkeypatch, base: str, knob: dict) -> str:
@@ -153,8 +148,7 @@ def _knob_variant(monkeypatch, base: str, knob: dict) -> str:
 @pytest.mark.parametrize("knob,swiglu,shape", list(_knob_cases()))  # pytest 10 takes no generator
 def test_build_knobs_give_the_same_bits(knob, swiglu, shape, monkeypatch):
     """The wgmma GEMM's compile-time knobs change how tiles are fed and computed (CTA pairs
-    sharing A or B by multicast, or single CTAs; partial m-tiles with A and B swapped, or of at
-    most 64 rows split by columns over both warpgroups; tiles
+    sharing A or B by multicast, or single CTAs; partial m-tiles with A and B swapped; tiles
     128 columns wide instead of 256; tiles in two K halves, the second continuing from the
     first's stored accumulators), never the result: every build equals the default one bit
     for bit, on every tail width, on empty experts and 1-row tails, on experts whose last CTA
@@ -180,7 +174,7 @@ def test_build_knobs_give_the_same_bits(knob, swiglu, shape, monkeypatch):
     want = cupy.full((M, N), np.nan, BF16)
     got = cupy.full((M, N), np.nan, BF16)
     gemm._wgmma_gemm(base, A, B, E * B_rows, want, off, E, N, K, gemm._NO_PEERS, 0)
-    split = "EPSERVE_GEMM_SPLIT_K" in knob
+    split = knob is SPLIT_K
     gemm._wgmma_gemm(name, A, B, E * B_rows, got, off, E, N, K, gemm._NO_PEERS, 0,
                      split_policy=tiles.ALWAYS if split else tiles.BY_RULE)
     assert not np.isnan(cupy.asnumpy(want).astype(np.float32)).any(), "the default build left elements unwritten"
