@@ -123,7 +123,8 @@ def summary(samples: list[Sample]) -> dict:
 
 
 def describe(stats: dict) -> str:
-    """summary() as one short line: '688 W, 1410 MHz, capped 92%' (or 'no samples')."""
+    """summary() as one short line: '688 W, 1410 MHz, capped 92% (12)', the count of samples
+    last (or 'no samples')."""
     if not stats["samples"]:
         return "no samples"
     parts = []
@@ -134,4 +135,4 @@ def describe(stats: dict) -> str:
     parts.append(f"capped {stats['power_capped'] * 100:.0f}%")
     if stats["thermal"]:
         parts.append(f"thermal {stats['thermal'] * 100:.0f}%")
-    return ", ".join(parts)
+    return ", ".join(parts) + f" ({stats['samples']})"

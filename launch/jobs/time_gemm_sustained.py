@@ -20,7 +20,9 @@ Why blocks: an H200 running these GEMMs sits at its 700 W limit with the SM cloc
 launch by launch in turn share one clock, which hides what a build saves or costs in power
 (notes/gemm.md, fifteenth and sixteenth sessions). The W / MHz / capped columns are the
 medians of nvidia-smi's samples during the blocks' settled part, and the share of them in
-which the software power cap held the clock.
+which the software power cap held the clock, with the count of samples (nvidia-smi samples every
+50 ms, and its power reading is itself an average: blocks shorter than half a second or so
+give too few samples to read much into).
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ def measure(gemm_name: str, runs: dict, flops: float, args, log: power.PowerLog)
         def line(name=name, spans=spans, n_wrong=n_wrong, ms=ms, blocks=blocks):
             samples = [s for span in spans for s in log.samples_between(*span)]
             return (f"{gemm_name:<8}{name:<28}{blocks}  {ms * 1e3:8.1f}{flops / ms / 1e9:9.1f}  "
-                    f"{power.describe(power.summary(samples)):<32}{n_wrong:>7}")
+                    f"{power.describe(power.summary(samples)):<38}{n_wrong:>7}")
         rows.append(line)
     return rows
 
@@ -215,7 +217,7 @@ def main():
                          f"max {rows.max()}")
             rounds = " ".join(f"{'r' + str(r) + ' us':>7}" for r in range(args.rounds))
             lines.append(f"{'GEMM':<8}{'build':<28}{rounds}  {'us':>8}{'TFLOP/s':>9}  "
-                         f"{'power, SM clock, capped':<32}{'#wrong':>7}")
+                         f"{'power, SM clock, capped (samples)':<38}{'#wrong':>7}")
             g1 = gemm1_runs(rs, offsets_host, weights, H, I, args.knobs, bf16_w13, args.bf16_knobs)
             lines += measure("GEMM 1", *g1, args, log)
             g2 = gemm2_runs(rs, offsets_host, weights, H, I, args.knobs, bf16_w2, args.bf16_knobs)

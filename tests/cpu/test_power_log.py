@@ -41,7 +41,7 @@ def test_summary_medians_and_shares():
     stats = power.summary([power.parse_line(x) for x in lines])
     assert stats["samples"] == 3 and stats["watts"] == 688.53 and stats["sm_mhz"] == 1410.0
     assert stats["power_capped"] == pytest.approx(2 / 3) and stats["thermal"] == 0
-    assert power.describe(stats) == "689 W, 1410 MHz, capped 67%"
+    assert power.describe(stats) == "689 W, 1410 MHz, capped 67% (3)"
     empty = power.summary([])
     assert empty["samples"] == 0 and empty["watts"] is None and power.describe(empty) == "no samples"
 
