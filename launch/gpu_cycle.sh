@@ -60,6 +60,7 @@ for s in "$@"; do
         timing) stage timing "^#|^GEMM|^dense|^path|^ *[a-z]" bash -c \
                    "PYTHONPATH=. python3 launch/jobs/time_gemm.py && python3 launch/run.py -n 1 -- python3 -m mpi4py launch/jobs/time_combine.py" ;;
         bench) stage bench "^#|^  [a-z]" make bench NP=$gpus
+               stage bench-targets "^#|^  " env PYTHONPATH=. python3 -m epserve.bench.targets "results/h200x$gpus/bench.json"
                tar czf "$out/results.tgz" results ;;
         fuzz)  stage fuzz "^# fuzz|^FAIL" make fuzz COUNT=500 ;;
         soak)  stage soak "^# soak" make soak CALLS=1000 ;;
@@ -114,6 +115,7 @@ sm__cycles_elapsed.avg.per_second,lts__t_sectors_op_read.sum,dram__bytes_read.su
                 python3 launch/run.py -n 2 --timeout $((t - 15)) -- python3 -m mpi4py -m epserve.bench \
                 --presets dsv3-prefill-fp8,dsv3-decode-fp8,dsv3-prefill,dsv3-decode --routing balanced \
                 --tokens 4096,128 --out "$out/bench-fp8"
+            stage review-targets "^#|^  " env PYTHONPATH=. python3 -m epserve.bench.targets "$out/bench-fp8/bench.json"
             # the across-nodes two-GPU cases only (about 40 s each): all 28 two-GPU tests take
             # about 20 minutes, more than one device call (stage tests-x2 below)
             t=$(within 330)

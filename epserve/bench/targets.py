@@ -1,0 +1,122 @@
+"""Issue 16's targets read off a benchmark's bench.json, one line each with what was measured
+and whether it is met:
+
+    python -m epserve.bench.targets results/h200x2/bench.json
+
+The targets are stated for two H200s, one rank each; a run on another world size is still
+read, and the report says so. A target whose rows the run did not measure (a preset or a
+token count left out) is "not measured", never met. Every row a target reads must also have
+#wrong 0 where the bench checks it: a fast wrong answer meets nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from epserve.bench import report
+from epserve.bench.results import Row, Run
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str
+    preset: str
+    tokens: int
+    path: str
+    metric: str  # "tflop_s": at least `bound`; "ms": at most `bound`; "ratio": at most `bound`
+    bound: float
+    # For "ratio": the row of another preset (same tokens, routing and path) it is divided by.
+    over_preset: str | None = None
+
+
+ROUTING = "balanced"
+ISSUE_16 = (
+    Target("GEMM 1 (FP8, SwiGLU, quantize)", "dsv3-prefill-fp8", 4096, "gemm1", "tflop_s", 1100),
+    Target("GEMM 2 (FP8)", "dsv3-prefill-fp8", 4096, "gemm2", "tflop_s", 1100),
+    Target("prefill layer, fused", "dsv3-prefill-fp8", 4096, "layer-fused", "ms", 3.5),
+    Target("decode layer, fused", "dsv3-decode-fp8", 128, "layer-fused", "ms", 1.6),
+    Target("FP8 / bf16 dispatch", "dsv3-prefill-fp8", 4096, "dispatch-direct", "ratio", 0.6,
+           over_preset="dsv3-prefill"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    target: Target
+    value: float | None  # None: not measured
+    met: bool
+    note: str = ""
+
+
+def _find(rows, preset: str, tokens: int, path: str) -> Row | None:
+    for row in rows:
+        if (row.preset.name == preset and row.preset.tokens_per_rank == tokens and row.routing.kind == ROUTING
+                and row.path == path and row.timing is not None):
+            return row
+    return None
+
+
+def _wrong_note(*rows) -> str:
+    bad = [f"{r.preset.name} {r.path} #wrong {r.wrong}" for r in rows if r.wrong]
+    return "; ".join(bad)
+
+
+def judge(run: Run, target: Target) -> Verdict:
+    row = _find(run.rows, target.preset, target.tokens, target.path)
+    if row is None:
+        return Verdict(target, None, False, "not measured")
+    rows = [row]
+    if target.metric == "tflop_s":
+        value = row.tflop_s
+        met = value is not None and value >= target.bound
+    elif target.metric == "ms":
+        value = row.timing.median_ms
+        met = value <= target.bound
+    else:
+        over = _find(run.rows, target.over_preset, target.tokens, target.path)
+        if over is None:
+            return Verdict(target, None, False, f"not measured ({target.over_preset} {target.path})")
+        rows.append(over)
+        value = row.timing.median_ms / over.timing.median_ms
+        met = value <= target.bound
+    wrong = _wrong_note(*rows)
+    return Verdict(target, value, met and not wrong, wrong)
+
+
+def lines(run: Run, targets=ISSUE_16) -> list[str]:
+    info = run.info
+    world, gpus = info.get("world_size"), info.get("gpus") or []
+    out = [f"# issue 16's targets, {ROUTING} routing, from a run of {world} rank(s) on {len(gpus)} GPU(s) "
+           f"({', '.join(sorted(set(gpus))) or 'unknown'}), {info.get('date', 'date unknown')}"]
+    if world != 2 or len(gpus) != 2:
+        out.append("# the targets are stated for two GPUs, one rank each: this run is not that machine")
+    units = {"tflop_s": "TFLOP/s", "ms": "ms", "ratio": ""}
+    out.append(f"# {'target':<32}{'preset':<18}{'tokens':>7}  {'measured':>10}  {'bound':>16}  verdict")
+    for v in (judge(run, t) for t in targets):
+        t = v.target
+        sign = ">=" if t.metric == "tflop_s" else "<="
+        measured = "-" if v.value is None else f"{v.value:.3f}" if t.metric != "tflop_s" else f"{v.value:.0f}"
+        verdict = "met" if v.met else ("not measured" if v.value is None else "not met")
+        note = f" ({v.note})" if v.note and v.value is not None else ""
+        bound = f"{sign} {t.bound:g} {units[t.metric]}".rstrip()
+        out.append(f"  {t.name:<32}{t.preset:<18}{t.tokens:>7}  {measured:>10}  {bound:>16}  {verdict}{note}")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("bench_json", help="a bench.json written by `python -m epserve.bench --out DIR`")
+    args = p.parse_args(argv)
+    try:
+        run = report.read_json(args.bench_json)
+    except (OSError, ValueError) as e:
+        print(f"epserve.bench.targets: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(lines(run)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""epserve.bench.targets on a machine with no GPU: issue 16's targets read off the committed
+two-H200 bench (results/h200x2, seventh session) give that run's known numbers and verdicts;
+a target whose rows are missing is "not measured", a row with #wrong > 0 meets nothing, a run
+on another world size says so, and an unreadable file is a one-line error."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from epserve.bench import report, targets
+from epserve.bench.results import Run, row_from_dict
+
+ROOT = Path(__file__).resolve().parents[2]
+TWO_H200 = ROOT / "results" / "h200x2" / "bench.json"
+
+
+def run_from(document: dict) -> Run:
+    return Run(document["info"], [row_from_dict(r) for r in document["rows"]])
+
+
+@pytest.fixture
+def document():
+    return json.loads(TWO_H200.read_text())
+
+
+def verdicts(run):
+    return {v.target.name: v for v in (targets.judge(run, t) for t in targets.ISSUE_16)}
+
+
+def test_the_seventh_sessions_two_gpu_run(document):
+    v = verdicts(run_from(document))
+    assert v["GEMM 1 (FP8, SwiGLU, quantize)"].value == pytest.approx(894, abs=1)
+    assert v["GEMM 2 (FP8)"].value == pytest.approx(826, abs=1)
+    assert v["prefill layer, fused"].value == pytest.approx(4.045, abs=1e-3)
+    assert v["decode layer, fused"].value == pytest.approx(1.472, abs=1e-3)
+    assert v["FP8 / bf16 dispatch"].value == pytest.approx(251 / 342, abs=2e-3)
+    assert [name for name, x in v.items() if x.met] == ["decode layer, fused"]
+    text = "\n".join(targets.lines(run_from(document)))
+    assert "not that machine" not in text
+    assert "  decode layer, fused             dsv3-decode-fp8       128       1.472         <= 1.6 ms  met" in text
+
+
+def test_missing_rows_are_not_measured(document):
+    document["rows"] = [r for r in document["rows"] if r["preset"]["name"] != "dsv3-prefill"]
+    v = verdicts(run_from(document))["FP8 / bf16 dispatch"]
+    assert v.value is None and not v.met and "dsv3-prefill dispatch-direct" in v.note
+    document["rows"] = [r for r in document["rows"] if r["preset"]["tokens_per_rank"] != 128]
+    lines = targets.lines(run_from(document))
+    assert any(line.strip().startswith("decode layer, fused") and line.endswith("not measured") for line in lines)
+
+
+def test_a_wrong_row_meets_nothing(document):
+    for r in document["rows"]:
+        if r["preset"]["name"] == "dsv3-decode-fp8" and r["path"] == "layer-fused":
+            r["wrong"] = 3
+    v = verdicts(run_from(document))["decode layer, fused"]
+    assert not v.met and v.value == pytest.approx(1.472, abs=1e-3) and "#wrong 3" in v.note
+
+
+def test_a_target_met_by_a_faster_row(document):
+    for r in document["rows"]:
+        if r["preset"]["name"] == "dsv3-prefill-fp8" and r["path"] == "gemm2":
+            r["timing"]["samples_ms"] = [s / 2 for s in r["timing"]["samples_ms"]]
+    assert verdicts(run_from(document))["GEMM 2 (FP8)"].met
+
+
+def test_another_world_size_is_named(document):
+    document["info"]["world_size"], document["info"]["gpus"] = 1, ["NVIDIA H200"]
+    assert "# the targets are stated for two GPUs, one rank each: this run is not that machine" in \
+        targets.lines(run_from(document))
+
+
+def test_the_command(tmp_path, capsys, document):
+    assert targets.main([str(TWO_H200)]) == 0
+    assert "FP8 / bf16 dispatch" in capsys.readouterr().out
+    assert targets.main([str(tmp_path / "none.json")]) == 2
+    assert "none.json" in capsys.readouterr().err
+    document["schema"] = 99
+    (tmp_path / "old.json").write_text(json.dumps(document))
+    assert targets.main([str(tmp_path / "old.json")]) == 2
+    assert "schema 99" in capsys.readouterr().err
+    assert report.read_json(TWO_H200).info["world_size"] == 2
