@@ -66,7 +66,8 @@ def run_block(fn, launches: int) -> list:
 
 
 def time_blocks(runs: dict, launches: int, rounds: int, log: power.PowerLog) -> dict:
-    """name -> (block times in ms, one a round, in round order; power summary of their settled parts)."""
+    """name -> (its block times in ms, one a round, in round order; the settled part of each
+    block as (start, stop) on the power log's clock)."""
     names = list(runs)
     for fn in runs.values():
         fn()
@@ -79,10 +80,7 @@ def time_blocks(runs: dict, launches: int, rounds: int, log: power.PowerLog) -> 
             times[n].append(settled_ms(run_block(runs[n], launches)))
             stop = log.now()
             spans[n].append((start + (stop - start) / 3, stop))
-    out = {}
-    for n in names:
-        out[n] = (times[n], spans[n])
-    return out
+    return {n: (times[n], spans[n]) for n in names}
 
 
 def wrong(out, ref) -> int:
