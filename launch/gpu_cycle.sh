@@ -172,7 +172,7 @@ sm__cycles_elapsed.avg.per_second,lts__t_sectors_op_read.sum,dram__bytes_read.su
         tests-x2) export NCCL_NVLS_ENABLE=0
             stage tests-x2 "passed|failed|FAILED|SKIPPED|ERROR|timed out" timeout -k 10 540 env PYTHONPATH=. \
                 python3 -m pytest -m gpu tests -q -rs -k "2-gpus and not test_across_nodes" -p no:cacheprovider ;;
-        *) echo "unknown stage $s (test run timing bench fuzz soak sanitize profile profile-fp8 layer review-x2 tests-x2 fp8-race sink-bulk)"; status=1 ;;
+        *) echo "unknown stage $s (test run timing bench fuzz soak sanitize profile profile-fp8 sustained layer review-x2 tests-x2 fp8-race sink-bulk)"; status=1 ;;
     esac
 done
 exit $status
