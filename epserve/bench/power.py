@@ -19,10 +19,17 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 
-# nvidia-smi's names; the throttle-reason aliases are accepted by both older and newer drivers
-FIELDS = ("timestamp", "power.draw", "clocks.sm", "temperature.gpu", "clocks_throttle_reasons.sw_power_cap",
-          "clocks_throttle_reasons.sw_thermal_slowdown", "clocks_throttle_reasons.hw_thermal_slowdown",
-          "clocks_throttle_reasons.hw_slowdown")
+# The power reading: the instant one where the driver has it (power.draw averages over about a
+# second, longer than a block of launches), else the averaged one.
+INSTANT_POWER, AVERAGED_POWER = "power.draw.instant", "power.draw"
+
+
+def fields(power_field: str = AVERAGED_POWER) -> tuple:
+    """nvidia-smi's names of what a sample holds, in parse_line's order; the throttle-reason
+    aliases are accepted by both older and newer drivers."""
+    return ("timestamp", power_field, "clocks.sm", "temperature.gpu", "clocks_throttle_reasons.sw_power_cap",
+            "clocks_throttle_reasons.sw_thermal_slowdown", "clocks_throttle_reasons.hw_thermal_slowdown",
+            "clocks_throttle_reasons.hw_slowdown")
 TIMESTAMP_FORMAT = "%Y/%m/%d %H:%M:%S.%f"
 
 
@@ -44,10 +51,10 @@ def _number(text: str) -> float | None:
 
 
 def parse_line(line: str) -> Sample | None:
-    """One line of `nvidia-smi --query-gpu=FIELDS --format=csv,noheader,nounits`, or None for
-    a line that is not one (a warning, a truncated last line)."""
+    """One line of `nvidia-smi --query-gpu=<fields()> --format=csv,noheader,nounits`, or None
+    for a line that is not one (a warning, a truncated last line)."""
     parts = [p.strip() for p in line.split(",")]
-    if len(parts) != len(FIELDS):
+    if len(parts) != len(fields()):
         return None
     try:
         t = datetime.strptime(parts[0], TIMESTAMP_FORMAT).timestamp()
@@ -64,13 +71,17 @@ class PowerLog:
         self.gpu, self.period_ms = gpu, period_ms
         self.samples: list[Sample] = []
         self.unavailable: str | None = None if shutil.which("nvidia-smi") else "nvidia-smi is not on PATH"
+        self.power_field: str | None = None  # which power reading the samples hold
         self._proc = None
 
     def __enter__(self) -> PowerLog:
         if self.unavailable is None:
+            instant = _number(_query_once(self.gpu, INSTANT_POWER) or "") is not None
+            self.power_field = INSTANT_POWER if instant else AVERAGED_POWER
             self._proc = subprocess.Popen(
-                ["nvidia-smi", "-i", self.gpu, f"--query-gpu={','.join(FIELDS)}", "--format=csv,noheader,nounits",
-                 f"--loop-ms={self.period_ms}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                ["nvidia-smi", "-i", self.gpu, f"--query-gpu={','.join(fields(self.power_field))}",
+                 "--format=csv,noheader,nounits", f"--loop-ms={self.period_ms}"],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -96,16 +107,23 @@ class PowerLog:
         return [s for s in self.samples if start <= s.t <= stop]
 
 
-def power_limit(gpu: str) -> float | None:
-    """The enforced power limit in watts, or None where nvidia-smi cannot say."""
+def _query_once(gpu: str, field: str) -> str | None:
+    """One field of one GPU as nvidia-smi prints it, or None where it cannot (no nvidia-smi, a
+    field this driver does not know)."""
     if not shutil.which("nvidia-smi"):
         return None
     try:
-        out = subprocess.run(["nvidia-smi", "-i", gpu, "--query-gpu=enforced.power.limit",
-                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30).stdout
+        proc = subprocess.run(["nvidia-smi", "-i", gpu, f"--query-gpu={field}", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return _number(out.strip().splitlines()[0]) if out.strip() else None
+    lines = proc.stdout.strip().splitlines()
+    return lines[0].strip() if proc.returncode == 0 and lines else None
+
+
+def power_limit(gpu: str) -> float | None:
+    """The enforced power limit in watts, or None where nvidia-smi cannot say."""
+    return _number(_query_once(gpu, "enforced.power.limit") or "")
 
 
 def summary(samples: list[Sample]) -> dict:

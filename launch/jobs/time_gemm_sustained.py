@@ -21,8 +21,8 @@ launch by launch in turn share one clock, which hides what a build saves or cost
 (notes/gemm.md, fifteenth and sixteenth sessions). The W / MHz / capped columns are the
 medians of nvidia-smi's samples during the blocks' settled part, and the share of them in
 which the software power cap held the clock, with the count of samples (nvidia-smi samples every
-50 ms, and its power reading is itself an average: blocks shorter than half a second or so
-give too few samples to read much into).
+50 ms; the power is its instant reading where the driver has one, else `power.draw`, an
+average over about a second, which a short block reads mostly from the block before it).
 """
 
 from __future__ import annotations

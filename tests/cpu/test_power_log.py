@@ -60,12 +60,18 @@ def fake_nvidia_smi(directory: Path, body: str) -> None:
     exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
 
 
-def test_a_stand_in_nvidia_smi_is_sampled_and_stopped(tmp_path, monkeypatch):
-    # writes down its arguments, prints three samples, then loops as nvidia-smi --loop-ms does
+@pytest.mark.parametrize("knows_instant", [True, False], ids=["instant-power", "averaged-power-only"])
+def test_a_stand_in_nvidia_smi_is_sampled_and_stopped(tmp_path, monkeypatch, knows_instant):
+    # writes down its arguments, answers one-field queries (refusing power.draw.instant as an
+    # older driver does, or not), prints three samples, then loops as nvidia-smi --loop-ms does
     fake_nvidia_smi(tmp_path, f"""import sys, time
 open({str(tmp_path / "args")!r}, "a").write(" ".join(sys.argv[1:]) + "\\n")
 if "--query-gpu=enforced.power.limit" in sys.argv:
     print("700.00"); sys.exit()
+if "--query-gpu=power.draw.instant" in sys.argv:
+    if {knows_instant!r}:
+        print("512.25"); sys.exit()
+    print('Field "power.draw.instant" is not a valid field to query.'); sys.exit(2)
 for i, w in enumerate((650, 690, 700)):
     print("2026/12/02 00:31:12.%d00, %d, 1400, 50, Active, Not Active, Not Active, Not Active" % (i, w))
 sys.stdout.flush()
@@ -79,10 +85,12 @@ time.sleep(60)
         while not (tmp_path / "ready").exists() and time.time() < deadline:
             time.sleep(0.05)
     assert log._proc.returncode is not None, "the sampler must be stopped when the log closes"
+    field = "power.draw.instant" if knows_instant else "power.draw"
+    assert log.power_field == field
     calls = (tmp_path / "args").read_text().splitlines()
-    assert calls[0] == "-i 00000000:19:00.0 --query-gpu=enforced.power.limit --format=csv,noheader,nounits"
-    assert calls[1] == f"-i 00000000:19:00.0 --query-gpu={','.join(power.FIELDS)} --format=csv,noheader,nounits " \
-                       "--loop-ms=20"
+    one_field = "-i 00000000:19:00.0 --query-gpu={} --format=csv,noheader,nounits"
+    assert calls[:2] == [one_field.format("enforced.power.limit"), one_field.format("power.draw.instant")]
+    assert calls[2] == one_field.format(",".join(power.fields(field))) + " --loop-ms=20"
     assert log.unavailable is None
     assert [s.watts for s in log.samples] == [650.0, 690.0, 700.0]
     t0 = log.samples[0].t
