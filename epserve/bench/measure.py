@@ -95,9 +95,11 @@ class PathResult:
 
 
 def bitwise_wrong(a, b) -> int:
-    if a.shape != b.shape:
+    """Elements of a that differ from b's in any bit (bf16 rows, e4m3 codes, fp32 scales)."""
+    if a.shape != b.shape or a.dtype.itemsize != b.dtype.itemsize:
         return max(a.size, b.size)
-    return int((a.view(np.uint16) != b.view(np.uint16)).sum())
+    kind = f"u{a.dtype.itemsize}"
+    return int((a.view(kind) != b.view(kind)).sum())
 
 
 def tolerance_wrong(a, b, label: str = "") -> int:

@@ -35,6 +35,7 @@ from time_gemm import rows_per_expert  # launch/jobs/time_gemm.py
 
 from epserve.arrays import BF16
 from epserve.bench import arithmetic, power, presets
+from epserve.bench.measure import bitwise_wrong
 from epserve.check.fp8_reference import scale_ld
 from epserve.ffn import fp8, gemm, gemm_fp8
 from epserve.runtime import kernels
@@ -83,12 +84,9 @@ def time_blocks(runs: dict, launches: int, rounds: int, log: power.PowerLog) -> 
     return {n: (times[n], spans[n]) for n in names}
 
 
-def wrong(out, ref) -> int:
-    """Elements of `out` that differ from `ref` in any bit (tuples compared part by part)."""
-    if isinstance(out, tuple):
-        return sum(wrong(o, r) for o, r in zip(out, ref))
-    kind = f"u{out.dtype.itemsize}"
-    return int((out.view(kind) != ref.view(kind)).sum())
+def wrong(outs: tuple, refs: tuple) -> int:
+    """Elements of a build's outputs that differ from the reference build's in any bit."""
+    return sum(bitwise_wrong(o, r) for o, r in zip(outs, refs))
 
 
 def fp8_builds(base: str, knobs: list) -> list:
@@ -129,7 +127,7 @@ def gemm1_runs(rs, offsets_host, weights, H, I, knobs, bf16_w13, bf16_knobs):
         for name, variant in bf16_builds("gemm1_wgmma_swiglu", bf16_knobs):
             act = cupy.full((M, I), np.nan, BF16)
             specs = gemm._wgmma_specs(variant, A, bf16_w13, E * 2 * I, act, offsets, E, I, H, gemm._NO_PEERS, 0)
-            runs[name] = (lambda specs=specs: gemm.run(specs), act, "bf16 wgmma")
+            runs[name] = (lambda specs=specs: gemm.run(specs), (act,), "bf16 wgmma")
     return runs, arithmetic.gemm1_flops(M, H, I)
 
 
@@ -142,12 +140,12 @@ def gemm2_runs(rs, offsets_host, weights, H, I, knobs, bf16_w2, bf16_knobs):
         C = cupy.full((M, H), np.nan, BF16)
         specs = gemm_fp8._specs(variant, a_q, a_s, weights.w2, weights.w2_scales, E * H, C, None, offsets, E, H, I,
                                 gemm_fp8._NO_PEERS, 0)
-        runs[name] = (lambda specs=specs: gemm_fp8.run(specs), C, "FP8, shipped")
+        runs[name] = (lambda specs=specs: gemm_fp8.run(specs), (C,), "FP8, shipped")
     if bf16_w2 is not None:
         for name, variant in bf16_builds("gemm_wgmma_null", bf16_knobs):
             C = cupy.full((M, H), np.nan, BF16)
             specs = gemm._wgmma_specs(variant, A, bf16_w2, E * H, C, offsets, E, H, I, gemm._NO_PEERS, 0)
-            runs[name] = (lambda specs=specs: gemm.run(specs), C, "bf16 wgmma")
+            runs[name] = (lambda specs=specs: gemm.run(specs), (C,), "bf16 wgmma")
     return runs, arithmetic.gemm2_flops(M, H, I)
 
 

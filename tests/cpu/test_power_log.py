@@ -127,9 +127,12 @@ def test_blocks_alternate_and_settle(job):
 def test_wrong_counts_differing_elements(job):
     ref = np.arange(12, dtype=np.uint16).reshape(3, 4)
     out = ref.copy()
-    assert job.wrong(out, ref) == 0
+    assert job.wrong((out,), (ref,)) == 0
     out[1, 2] ^= 0x8000  # -0 against +0 and the like: any bit
     out[2, 0] += 1
-    assert job.wrong(out, ref) == 2
-    scales = np.ones((2, 3), np.float32)
-    assert job.wrong((out, scales), (ref, scales)) == 2
+    assert job.wrong((out,), (ref,)) == 2
+    codes, scales = np.zeros((2, 6), np.uint8), np.ones((2, 3), np.float32)
+    codes2, scales2 = codes.copy(), scales.copy()
+    codes2[0, 1] = 0x7F  # one e4m3 code: one element, not a pair of bytes
+    scales2[1, 2] = np.nextafter(np.float32(1), np.float32(2))
+    assert job.wrong((out, codes2, scales2), (ref, codes, scales)) == 4
