@@ -33,7 +33,6 @@
 #include "common/bf16.cuh"
 #include "common/fp8.cuh"
 #include "common/ptx.cuh"
-#include "common/wgmma_fp8_m64nN.cuh"
 #include "ffn/swiglu_quantize.cuh"
 #include "gemm/block_scaled_mma.cuh"
 #include "gemm/tile_scheduler.cuh"
@@ -108,26 +107,8 @@
 //   (64 each) fit where the 128 x 256 tile's sum (128) and one part do. Same bits: the same
 //   wgmmas into a fresh part, the same promotion fma, k-blocks promoted in the same order;
 //   only the time at which each is issued moves.
-// - EPSERVE_GEMM_FP8_SWAP_TAILS=1 (with SPLIT_TAILS): such a tail tile runs with A and B
-//   swapped, as the bf16 kernel's swapped tails do: warpgroup h's 128 weight rows of the
-//   stage are the wgmma's M (two m64 blocks; with SwiGLU gate rows 64h.. and the matching up
-//   rows, so a thread holds both for its columns) and the tail's rows, rounded up to
-//   EPSERVE_GEMM_FP8_SWAP_STEP, its N. A split tail computes 64 rows whatever its real rows
-//   (at dsv3-prefill's balanced routing the MMA rows are 0.888 real); swapped, 0.971 with a
-//   step of 8. This part runs these GEMMs at its power limit, where the time follows the MMA
-//   work (balanced against uniform routing: 1.128 x the time for 1.126 x the MMA rows, the
-//   sixteenth session's sustained run). Same bits, if the tensor cores sum a k32 step's
-//   products alike with the operands' roles swapped (tests/gpu/test_gemm_fp8.py's knob test
-//   holds it): each element's k-block partial then gets the same promotion fma with the same
-//   scale product, and the epilogue's roundings are elementwise (GEMM 1's row amax is a max).
 #ifndef EPSERVE_GEMM_FP8_SPLIT_TAILS
 #define EPSERVE_GEMM_FP8_SPLIT_TAILS 0
-#endif
-#ifndef EPSERVE_GEMM_FP8_SWAP_TAILS
-#define EPSERVE_GEMM_FP8_SWAP_TAILS 0
-#endif
-#ifndef EPSERVE_GEMM_FP8_SWAP_WIDTH
-#define EPSERVE_GEMM_FP8_SWAP_WIDTH 24  // the wgmma's N of a swapped tail: tails of at most this many rows swap
 #endif
 #ifndef EPSERVE_GEMM_FP8_BN
 #define EPSERVE_GEMM_FP8_BN 256
@@ -195,12 +176,6 @@ constexpr bool kMma = EPSERVE_GEMM_FP8_MMA != 0;
 constexpr bool kCheckTma = EPSERVE_GEMM_FP8_CHECK_TMA != 0;
 constexpr bool kUnalignedScales = EPSERVE_GEMM_FP8_UNALIGNED_SCALES != 0;
 constexpr bool kSplitTails = EPSERVE_GEMM_FP8_SPLIT_TAILS != 0 && kBN == 256;  // (a 128-wide tile has one half)
-constexpr bool kSwapTails = EPSERVE_GEMM_FP8_SWAP_TAILS != 0;
-constexpr int kSwapWidth = EPSERVE_GEMM_FP8_SWAP_WIDTH;
-static_assert(!kSwapTails || (kSplitTails && !EPSERVE_GEMM_FP8_OVERLAP), "EPSERVE_GEMM_FP8_SWAP_TAILS swaps the "
-              "split tails (EPSERVE_GEMM_FP8_SPLIT_TAILS=1, 256-wide tiles), without the overlapped promotion");
-static_assert(kSwapWidth % 8 == 0 && kSwapWidth >= 8 && kSwapWidth < 64, "EPSERVE_GEMM_FP8_SWAP_WIDTH: 8, 16, .., 56");
-static_assert(!kSwapTails || EPSERVE_GEMM_FP8_MMA, "the swapped tails are not built into the no-MMA diagnostic");
 // Without wgmmas (the EPSERVE_GEMM_FP8_MMA=0 diagnostic) there is nothing to overlap: off.
 constexpr bool kOverlap = EPSERVE_GEMM_FP8_OVERLAP != 0 && kMma;
 static_assert(!kOverlap || kBN == 128 || EPSERVE_GEMM_FP8_SPLIT_TAILS, "EPSERVE_GEMM_FP8_OVERLAP acts on tiles a "
@@ -274,134 +249,6 @@ __device__ __forceinline__ void store_act_rows(unsigned char* out_tile, float* o
   if (lane % 4 == 0) {
     out_scales[row] = s.x;
     out_scales[row + 8] = s.y;
-  }
-}
-
-// EPSERVE_GEMM_FP8_SWAP_TAILS: a split tail with A and B swapped (top of the file).
-// The first B-stage row (weight row) of warpgroup w's m-block b in a swapped tail: GEMM 2's
-// output columns 128w + 64b.., GEMM 1's gate (b = 0) and up (b = 1) rows of act columns 64w...
-__device__ __forceinline__ int swap_weight_row(int w, int b) { return kSwiGLU ? 128 * b + 64 * w : 128 * w + 64 * b; }
-
-// One k-block of a swapped tail: p0 = the stage's 64 weight rows from w0 . its first N A rows
-// (the tail's), p1 the same from w1, issued as one group and waited for (operands by their
-// descriptors' low words, as k_block_mma_issue's). Both are arrays of their own: with p0 in
-// `part`'s first registers ptxas serialized every wgmma of the kernel (C7511).
-template <int N>
-__device__ __forceinline__ void swapped_k_block_mma(float (&p0)[N / 2], float (&p1)[N / 2], uint32_t w0_lo, uint32_t w1_lo,
-                                                    uint32_t rows_lo) {
-  fence_operands(p0);
-  fence_operands(p1);
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < kFp8BlockK / 32; ++kk) {
-    const uint64_t rows = smem_desc_sw128_from_lo(rows_lo + 2 * kk);
-    wgmma_m64nNk32_e4m3<N>(p0, smem_desc_sw128_from_lo(w0_lo + 2 * kk), rows, kk != 0);
-    wgmma_m64nNk32_e4m3<N>(p1, smem_desc_sw128_from_lo(w1_lo + 2 * kk), rows, kk != 0);
-  }
-  wgmma_commit();
-  wgmma_wait<0>();
-  fence_operands(p0);
-  fence_operands(p1);
-}
-
-// sum[32b + i] += p_b[i] * (the A scale of p_b[i]'s column, a tail row, * bs_b): n8 block j
-// holds rows 8j + 2q (p[4j], p[4j+2]) and 8j + 2q + 1 (p[4j+1], p[4j+3]), whose scales are
-// a[2j] and a[2j+1]. The scale product and the fma are the unswapped promotion's.
-template <int N>
-__device__ __forceinline__ void promote_swapped(float (&sum)[128], const float (&p0)[N / 2], const float (&p1)[N / 2],
-                                                const float (&a)[N / 4], float bs0, float bs1) {
-#pragma unroll
-  for (int j = 0; j < N / 8; ++j) {
-    const float s00 = a[2 * j] * bs0, s01 = a[2 * j + 1] * bs0, s10 = a[2 * j] * bs1, s11 = a[2 * j + 1] * bs1;
-    sum[4 * j] = __fmaf_rn(p0[4 * j], s00, sum[4 * j]);
-    sum[4 * j + 1] = __fmaf_rn(p0[4 * j + 1], s01, sum[4 * j + 1]);
-    sum[4 * j + 2] = __fmaf_rn(p0[4 * j + 2], s00, sum[4 * j + 2]);
-    sum[4 * j + 3] = __fmaf_rn(p0[4 * j + 3], s01, sum[4 * j + 3]);
-    sum[32 + 4 * j] = __fmaf_rn(p1[4 * j], s10, sum[32 + 4 * j]);
-    sum[32 + 4 * j + 1] = __fmaf_rn(p1[4 * j + 1], s11, sum[32 + 4 * j + 1]);
-    sum[32 + 4 * j + 2] = __fmaf_rn(p1[4 * j + 2], s10, sum[32 + 4 * j + 2]);
-    sum[32 + 4 * j + 3] = __fmaf_rn(p1[4 * j + 3], s11, sum[32 + 4 * j + 3]);
-  }
-}
-
-__device__ __forceinline__ uint16_t bf16_bits(float v) {  // round to nearest even, as pack_bf16x2
-  uint16_t r;
-  asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(r) : "f"(v));
-  return r;
-}
-
-// GEMM 2's epilogue of a swapped tail: thread (warp, lane) of warpgroup w holds, per m-block
-// b and n8 block j, output columns c = swap_weight_row(w, b) + 16 * warp + lane / 4 (and c +
-// 8) at tail rows 8j + 2q and 8j + 2q + 1: one bf16 store each.
-template <int N>
-__device__ __forceinline__ void store_swapped_bf16(unsigned char* out_tile, const float (&sum)[128], int warpgroup,
-                                                   int warp, int lane) {
-  const int q2 = 2 * (lane % 4);
-#pragma unroll
-  for (int b = 0; b < 2; ++b) {
-    const int col = swap_weight_row(warpgroup, b) + 16 * warp + lane / 4;
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j) {
-      const int r = 8 * j + q2;
-      const float* v = sum + 32 * b + 4 * j;
-      *reinterpret_cast<uint16_t*>(out_tile + OutTile::byte_offset(r, col)) = bf16_bits(v[0]);
-      *reinterpret_cast<uint16_t*>(out_tile + OutTile::byte_offset(r + 1, col)) = bf16_bits(v[1]);
-      *reinterpret_cast<uint16_t*>(out_tile + OutTile::byte_offset(r, col + 8)) = bf16_bits(v[2]);
-      *reinterpret_cast<uint16_t*>(out_tile + OutTile::byte_offset(r + 1, col + 8)) = bf16_bits(v[3]);
-    }
-  }
-}
-
-// GEMM 1's epilogue of a swapped tail, by all consumer threads: a thread holds gate
-// (sum[0, 32)) and up (sum[32, 64)) of act columns c = 64 * warpgroup + 16 * warp + lane / 4
-// and c + 8 at tail rows 8j + 2q, + 1, so SwiGLU is elementwise where the values are; a row's
-// 128 act values, whose amax makes its scale, are spread over both warpgroups. So act goes
-// through shared memory as bf16 rows (over the output tile, 264 bytes a row: rows 2 apart
-// land 4 banks apart), then 4 threads a row take its amax, quantize it and write the row in
-// the output tile's layout. Each step rounds as swiglu_quantize does, value by value.
-template <int N>
-__device__ __forceinline__ void store_swapped_act(unsigned char* out_tile, float* out_scales, const float (&sum)[128],
-                                                  int warpgroup, int warp, int lane, int tid) {
-  constexpr int kXRow = 264;
-  static_assert(64 * kXRow <= OutTile::kBytes, "a swapped tail's act rows fit over the output tile");
-  const int q2 = 2 * (lane % 4);
-  const int col = 64 * warpgroup + 16 * warp + lane / 4;
-  auto x = [&](int r, int c) { return reinterpret_cast<uint16_t*>(out_tile + r * kXRow + 2 * c); };
-#pragma unroll
-  for (int j = 0; j < N / 8; ++j) {
-    const float* g = sum + 4 * j;
-    const float* u = sum + 32 + 4 * j;
-    const uint32_t at_c = swiglu_bf16x2(pack_bf16x2(g[0], g[1]), pack_bf16x2(u[0], u[1]));  // rows r, r + 1
-    const uint32_t at_c8 = swiglu_bf16x2(pack_bf16x2(g[2], g[3]), pack_bf16x2(u[2], u[3]));
-    const int r = 8 * j + q2;
-    *x(r, col) = static_cast<uint16_t>(at_c);
-    *x(r + 1, col) = static_cast<uint16_t>(at_c >> 16);
-    *x(r, col + 8) = static_cast<uint16_t>(at_c8);
-    *x(r + 1, col + 8) = static_cast<uint16_t>(at_c8 >> 16);
-  }
-  named_barrier_sync<kSplitBarrierConsumers, kConsumerThreads>();
-  const int r = tid / 4, quarter = tid % 4;  // a warp's 8 rows: all below N or none
-  uint32_t v[16];
-  float amax = 0.f;
-  if (r < N) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const uint2 w = *reinterpret_cast<const uint2*>(out_tile + r * kXRow + 64 * quarter + 8 * i);
-      v[2 * i] = w.x;
-      v[2 * i + 1] = w.y;
-      amax = fmaxf(amax, fmaxf(bf16x2_amax(w.x), bf16x2_amax(w.y)));
-    }
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-  }
-  named_barrier_sync<kSplitBarrierConsumers, kConsumerThreads>();  // every act row read before the tile is written over it
-  if (r < N) {
-    const float inv = fp8_inv_scale(amax);
-#pragma unroll
-    for (int i = 0; i < 16; ++i)
-      *reinterpret_cast<uint16_t*>(out_tile + OutTile::byte_offset(r, 32 * quarter + 2 * i)) =
-          quantize_bf16x2(v[i], inv);
-    if (quarter == 0) out_scales[r] = fp8_scale(amax);
   }
 }
 
@@ -636,47 +483,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       const bool one_half = kBN == 128 || split;
       const int srow = warp * 16 + lane / 4;
       const bool computes = split ? (warpgroup == 0 || second_half) : warpgroup * 64 < t.rows;
-      // EPSERVE_GEMM_FP8_SWAP_TAILS: a split tail of at most kSwapWidth rows, swapped.
-      const bool swap = kSwapTails && split && t.rows <= kSwapWidth;
-      if (swap && computes) {
-        {
-          constexpr int W = kSwapWidth;
-          float part0[W / 2], part1[W / 2];
-          const float* sbw = warpgroup == 1 ? sb1 : sb0;  // GEMM 2: both m-blocks in one scale block
-          const float* sb_0 = kSwiGLU ? sb0 : sbw;        // GEMM 1: gate, then up
-          const float* sb_1 = kSwiGLU ? sb1 : sbw;
-          const uint32_t w0 = swap_weight_row(warpgroup, 0) * kBK / 16, w1 = swap_weight_row(warpgroup, 1) * kBK / 16;
-          const int q2 = 2 * (lane % 4);
-#pragma unroll
-          for (int i = 0; i < 64; ++i) sum[i] = 0.f;
-          for (int kt = 0; kt < k_blocks; ++kt) {
-            const float bs0 = __ldg(sb_0 + kt), bs1 = kSwiGLU ? __ldg(sb_1 + kt) : bs0;  // in flight during the wait
-            mbarrier_wait(&full[stage], phase);
-            const uint32_t b = ring_b_desc + stage * kStageB / 16;
-            swapped_k_block_mma<W>(part0, part1, b + w0, b + w1, ring_a_desc + stage * kStageA / 16);
-            const float* sa = ring_sa + stage * (kStageScales / 4) + (t.m_abs - scale_box_col(t.m_abs));
-            float a[W / 4];
-#pragma unroll
-            for (int j = 0; j < W / 8; ++j) {
-              a[2 * j] = sa[8 * j + q2];
-              a[2 * j + 1] = sa[8 * j + q2 + 1];
-            }
-            release(stage);  // after this thread's reads of the stage's scales (see `release`)
-            promote_swapped<W>(sum, part0, part1, a, bs0, bs1);
-            advance();
-          }
-          // The epilogue in the same instantiation: after this branch no sum is live (with the
-          // widths' k-loops and epilogues in two dispatches, ptxas serialized every wgmma of
-          // the kernel, C7511).
-          if (Sink::kEnabled && gate < 0) continue;  // the peer sink gated off: the math alone
-          if (tile_pending) {
-            if constexpr (kSendWarps) Sink::template drain<kConsumerThreads>();
-            else CMailbox::drain();
-          }
-          if constexpr (kSwiGLU) store_swapped_act<W>(out_tile, out_scales, sum, warpgroup, warp, lane, tid);
-          else store_swapped_bf16<W>(out_tile, sum, warpgroup, warp, lane);
-        }
-      } else if (one_half && computes) {
+      if (one_half && computes) {
         const int hrow = split ? srow : row;
         const int a_off = split ? 0 : warpgroup * kHalfA;  // the stage's first 64 rows of A are its only box
         const int b_off = split ? warpgroup * kHalfN * kBK : 0;
@@ -777,12 +584,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (Sink::kEnabled) {
         if (gate < 0) continue;  // the peer sink gated off: the math alone
       }
-      if (tile_pending && !(swap && computes)) {  // (a swapped tail's branch drained and stored)  // wait until the writer warps are done with the last tile
+      if (tile_pending) {  // wait until the writer warps are done with the last tile
         if constexpr (kSendWarps) Sink::template drain<kConsumerThreads>();
         else CMailbox::drain();
       }
-      if (swap) {
-      } else if (split) {
+      if (split) {
         if constexpr (kSwiGLU) {
           // The second warpgroup's up half to the first one, as the bf16 pairs the epilogue
           // makes of it first (pack_bf16x2 of a bf16 value widened to fp32 gives it back), in

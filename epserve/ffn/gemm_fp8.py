@@ -45,10 +45,6 @@ KNOBS: dict[str, dict[str, int]] = {
     # the shipped build until the fifteenth session: padding rows loaded from the next expert
     "split-unzeroed": {**_PLAIN, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1},
     "split+overlap": {**_PLAIN, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_OVERLAP": 1},
-    # a split tail of at most 24 (8, 56) rows computed with A and B swapped, its rows as the wgmma's N
-    "split+swap": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_SWAP_TAILS": 1},
-    "split+swap8": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_SWAP_TAILS": 1, "EPSERVE_GEMM_FP8_SWAP_WIDTH": 8},
-    "split+swap56": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_SWAP_TAILS": 1, "EPSERVE_GEMM_FP8_SWAP_WIDTH": 56},
     "n128": {**_PLAIN, "EPSERVE_GEMM_FP8_BN": 128},
     "n128+overlap": {**_PLAIN, "EPSERVE_GEMM_FP8_BN": 128, "EPSERVE_GEMM_FP8_OVERLAP": 1},
 }
