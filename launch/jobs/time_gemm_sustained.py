@@ -2,7 +2,7 @@
 settle at its power limit, with the power, clock and throttle reasons of each block:
 
     python launch/jobs/time_gemm_sustained.py [--preset dsv3-prefill] [--ranks 2] [--routing balanced]
-        [--launches 150] [--rounds 4] [--knobs split-unzeroed ...] [--bf16]
+        [--launches 150] [--rounds 4] [--knobs split-unzeroed ...] [--bf16] [--dense 8192]
 
 One GPU, rank 0's rows per expert when `--ranks` ranks route the preset's tokens (as
 launch/jobs/time_gemm.py and time_gemm_fp8.py). Each build of FP8 GEMM 1 (+ SwiGLU + act
@@ -13,7 +13,9 @@ previous block). Blocks alternate between builds, in reverse order every other r
 their median. `--knobs` adds experimental builds (epserve.ffn.gemm_fp8.KNOBS), each checked
 element by element against the shipped build (#wrong: elements that differ in any bit);
 `--bf16` adds the bf16 wgmma GEMMs on the same rows, `--bf16-knobs` their experimental builds
-(checked against the shipped bf16 build the same way).
+(checked against the shipped bf16 build the same way). `--dense N` adds a dense FP8 GEMM of
+N^3, ours and cuBLASLt's, timed the same way: what the part sustains at its power limit on the
+problem a library is tuned for.
 
 Why blocks: an H200 running these GEMMs sits at its 700 W limit with the SM clock near
 1.4 GHz, and the clock follows power averaged over much longer than one launch. Builds timed
@@ -34,7 +36,7 @@ import numpy as np
 from time_gemm import rows_per_expert  # launch/jobs/time_gemm.py
 
 from epserve.arrays import BF16
-from epserve.bench import arithmetic, power, presets
+from epserve.bench import arithmetic, cublaslt, power, presets
 from epserve.bench.measure import bitwise_wrong
 from epserve.check.fp8_reference import scale_ld
 from epserve.ffn import fp8, gemm, gemm_fp8
@@ -149,6 +151,24 @@ def gemm2_runs(rs, offsets_host, weights, H, I, knobs, bf16_w2, bf16_knobs):
     return runs, arithmetic.gemm2_flops(M, H, I)
 
 
+def dense_runs(rs, n: int):
+    """name -> (launch, output, reference build) for a dense FP8 GEMM of n^3: ours (one expert of
+    n rows) and, where it is reachable, cuBLASLt's block-scaled FP8 GEMM on the same operands,
+    which sums in another order (no reference build: #wrong "-")."""
+    a_q, a_s = fp8.quantize_rows(rs.standard_normal((n, n), dtype=np.float32).astype(BF16))
+    b_q, b_s = fp8.quantize_blocks((rs.standard_normal((1, n, n), dtype=np.float32) / np.sqrt(n)).astype(BF16))
+    offsets = cupy.asarray(np.array([0, n], np.int32))
+    c = cupy.full((n, n), np.nan, BF16)
+    specs = gemm_fp8._specs("gemm_fp8_null", a_q, a_s, b_q, b_s, n, c, None, offsets, 1, n, n, gemm_fp8._NO_PEERS, 0)
+    runs = {"FP8, shipped": (lambda: gemm_fp8.run(specs), (c,), "FP8, shipped")}
+    why_not = cublaslt.unavailable()
+    if why_not is None:
+        c_lt = cupy.full((n, n), np.nan, BF16)
+        runs["cuBLASLt FP8"] = (lambda: cublaslt.gemm_fp8_nt(a_q.data.ptr, a_s.data.ptr, b_q.data.ptr, b_s.data.ptr,
+                                                             c_lt.data.ptr, n, n, n), (c_lt,), None)
+    return runs, 2.0 * n**3, why_not
+
+
 def measure(gemm_name: str, runs: dict, flops: float, args, log: power.PowerLog) -> list:
     """Times the builds; returns their rows as callables that format them once `log` has
     its samples (nvidia-smi's output is read when the log closes)."""
@@ -156,7 +176,7 @@ def measure(gemm_name: str, runs: dict, flops: float, args, log: power.PowerLog)
     rows = []
     for name, (times, spans) in timed.items():
         _, out, ref = runs[name]
-        n_wrong = str(wrong(out, runs[ref][1]))
+        n_wrong = "-" if ref is None else str(wrong(out, runs[ref][1]))
         ms = float(np.median(times))
         blocks = " ".join(f"{t * 1e3:7.0f}" for t in times)
 
@@ -182,9 +202,13 @@ def main():
     p.add_argument("--bf16", action="store_true", help="also the bf16 wgmma GEMMs on the same rows")
     p.add_argument("--bf16-knobs", nargs="*", default=[], choices=sorted(BF16_KNOBS),
                    help="experimental bf16 builds to time beside the shipped one (implies --bf16)")
+    p.add_argument("--dense", type=int, default=0, metavar="N",
+                   help="also a dense FP8 GEMM of N^3, ours and cuBLASLt's, in blocks (a multiple of 128)")
     args = p.parse_args()
     if args.launches < 3 or args.rounds < 1:
         p.error("--launches must be at least 3 and --rounds at least 1")
+    if args.dense < 0 or args.dense % 128:
+        p.error("--dense must be a multiple of 128")
     preset = presets.get_preset(args.preset)
     H, I, E = preset.hidden, preset.intermediate, preset.num_experts // args.ranks
     dev = cupy.cuda.Device()
@@ -205,15 +229,21 @@ def main():
     bf16_w2 = cupy.asarray(w2) if args.bf16 else None
     del w13, w2
     lines = []  # text, or callables that need the power samples
+    rounds = " ".join(f"{'r' + str(r) + ' us':>7}" for r in range(args.rounds))
+    header = (f"{'GEMM':<8}{'build':<28}{rounds}  {'us':>8}{'TFLOP/s':>9}  "
+              f"{'power, SM clock, capped (samples)':<38}{'#wrong':>7}")
     with power.PowerLog(gpu) as log:
+        if args.dense:
+            runs, flops, why_not = dense_runs(rs, args.dense)
+            lines += [f"# dense {args.dense}^3, 1 x 128 and 128 x 128 scales"
+                      + ("" if why_not is None else f" (no cuBLASLt row: {why_not})"), header]
+            lines += measure("dense", runs, flops, args, log)
         for spec in args.routing:
             rows = rows_per_expert(spec, preset, args.ranks, args.seed)
             offsets_host = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
             lines.append(f"# {spec}: {rows.sum()} rows, per expert min {rows.min()} mean {rows.mean():.1f} "
                          f"max {rows.max()}")
-            rounds = " ".join(f"{'r' + str(r) + ' us':>7}" for r in range(args.rounds))
-            lines.append(f"{'GEMM':<8}{'build':<28}{rounds}  {'us':>8}{'TFLOP/s':>9}  "
-                         f"{'power, SM clock, capped (samples)':<38}{'#wrong':>7}")
+            lines.append(header)
             g1 = gemm1_runs(rs, offsets_host, weights, H, I, args.knobs, bf16_w13, args.bf16_knobs)
             lines += measure("GEMM 1", *g1, args, log)
             g2 = gemm2_runs(rs, offsets_host, weights, H, I, args.knobs, bf16_w2, args.bf16_knobs)
