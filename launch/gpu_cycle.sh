@@ -82,7 +82,7 @@ sm__cycles_elapsed.avg.per_second,lts__t_sectors_op_read.sum,dram__bytes_read.su
         # The expert GEMMs as a layer runs them, at the power limit: long blocks of launches per
         # build, alternated, with nvidia-smi's power and clock (notes/gemm.md, sixteenth session).
         sustained) stage sustained "^#|^GEMM" env PYTHONPATH=. python3 launch/jobs/time_gemm_sustained.py \
-                   --routing balanced uniform --knobs split-unzeroed split+overlap --bf16 ;;
+                   --routing balanced uniform --knobs split-unzeroed split+overlap --bf16 --dense 8192 ;;
         # Issue 13 on two GPUs: the dispatch (<= 300 us at dsv3-prefill 4096), the decode layer
         # replayed from a graph (<= 2.9 ms, eager within 5%), and forward's host time (<= 50 us).
         layer) share=$([ "$gpus" -ge 2 ] || echo --share-gpu)
