@@ -154,15 +154,6 @@ __device__ __forceinline__ void tensor_map_set_extent(void* global_map, int exte
   asm volatile("fence.proxy.tensormap::generic.release.gpu;\n" ::: "memory");
   asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(global_map) : "memory");
 }
-// The same for a box's extent in dimension kDim (rows of a 2-D map with kDim = 1).
-template <int kDim>
-__device__ __forceinline__ void tensor_map_set_box(void* global_map, int box) {
-  asm volatile("tensormap.replace.tile.box_dim.global.b1024.b32 [%0], %1, %2;\n" ::"l"(global_map), "n"(kDim),
-               "r"(box)
-               : "memory");
-  asm volatile("fence.proxy.tensormap::generic.release.gpu;\n" ::: "memory");
-  asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(global_map) : "memory");
-}
 // ---- thread-block clusters (the wgmma GEMM's CTA pairs) ----
 __device__ __forceinline__ uint32_t cluster_ctarank() {
   uint32_t r;

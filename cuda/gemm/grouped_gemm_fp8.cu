@@ -33,7 +33,6 @@
 #include "common/bf16.cuh"
 #include "common/fp8.cuh"
 #include "common/ptx.cuh"
-#include "common/wgmma_fp8_m64nN.cuh"
 #include "ffn/swiglu_quantize.cuh"
 #include "gemm/block_scaled_mma.cuh"
 #include "gemm/tile_scheduler.cuh"
@@ -108,22 +107,8 @@
 //   (64 each) fit where the 128 x 256 tile's sum (128) and one part do. Same bits: the same
 //   wgmmas into a fresh part, the same promotion fma, k-blocks promoted in the same order;
 //   only the time at which each is issued moves.
-// - EPSERVE_GEMM_FP8_MERGE_TAILS=W (8 or 16; GEMM 1, with SPLIT_TAILS): an expert whose rows
-//   past its last multiple of 128 are at most W has no tile of its own for them (the tile
-//   scheduler's kMergeRows): its last whole tile takes them in, loading them as a W-row box
-//   beside its 128 rows and computing them with A and B swapped (the stage's weight rows as
-//   the wgmma's M, the W rows as its N) after its own k-block work. Such a tail as a tile of
-//   its own loads its expert's weight tiles a second time for a few rows and runs at the L2's
-//   pace: at dsv3-prefill's balanced routing, GEMM 1 without the tails of at most 16 rows
-//   (49 of 128 experts) ran 9.8% faster (notes/gemm.md, seventeenth session). Same bits:
-//   swapped, the tensor cores sum a k32 step's products alike (the seventeenth session's
-//   swapped tails, bitwise on both GEMMs), each tail element gets the same promotion fma with
-//   the same scale product, and its epilogue rounds value by value as swiglu_quantize does.
 #ifndef EPSERVE_GEMM_FP8_SPLIT_TAILS
 #define EPSERVE_GEMM_FP8_SPLIT_TAILS 0
-#endif
-#ifndef EPSERVE_GEMM_FP8_MERGE_TAILS
-#define EPSERVE_GEMM_FP8_MERGE_TAILS 0
 #endif
 #ifndef EPSERVE_GEMM_FP8_BN
 #define EPSERVE_GEMM_FP8_BN 256
@@ -177,18 +162,13 @@ constexpr int kLightRegs = 40, kConsumerRegs = 232;
 static_assert(kConsumers * 128 * kConsumerRegs + 128 * kLightRegs <= 65536, "registers");
 static_assert(Sink::kSendWarps <= 3, "the send warps share the producer warpgroup with the TMA warp");
 constexpr int kHalfA = 64 * kBK;  // bytes of one warpgroup's 64 rows of an A stage: one TMA box
-// EPSERVE_GEMM_FP8_MERGE_TAILS: the tail rows a whole tile takes in, and their A box in a stage
-// (after the tile's 128 rows; kMerge * 128 bytes keeps every stage 1024-byte aligned).
-constexpr int kMerge = EPSERVE_GEMM_FP8_MERGE_TAILS;
-constexpr int kTailN = kMerge > 0 ? kMerge : 8;  // the tail's wgmma N (arrays stay legal when off)
-constexpr int kTailA = kMerge * kBK;
 // A's scales: a box of kScaleBox floats from the tile's first row rounded down to 4 (see the
 // top of the file), in a slot of kStageScales bytes (a TMA destination is 128-byte aligned).
 constexpr int kScaleAlign = 4;  // floats: 16 bytes
-constexpr int kScaleBox = kBM + kMerge + kScaleAlign;
+constexpr int kScaleBox = kBM + kScaleAlign;
 constexpr int kScaleBoxBytes = kScaleBox * 4;
 static_assert(kScaleBoxBytes % 16 == 0 && kScaleBox <= 256, "a TMA box: whole 16 bytes, at most 256 elements");
-constexpr int kStageA = kBM * kBK + kTailA, kStageB = kBN * kBK, kStageScales = (kScaleBoxBytes + 127) / 128 * 128;
+constexpr int kStageA = kBM * kBK, kStageB = kBN * kBK, kStageScales = (kScaleBoxBytes + 127) / 128 * 128;
 constexpr int kLoads = EPSERVE_GEMM_FP8_TMA_LOADS;
 static_assert(kLoads >= 0 && kLoads <= 7, "EPSERVE_GEMM_FP8_TMA_LOADS: bit 0 A, bit 1 A's scales, bit 2 B");
 constexpr bool kLoadA = kLoads & 1, kLoadScales = kLoads & 2, kLoadB = kLoads & 4;
@@ -200,8 +180,6 @@ constexpr bool kSplitTails = EPSERVE_GEMM_FP8_SPLIT_TAILS != 0 && kBN == 256;  /
 constexpr bool kOverlap = EPSERVE_GEMM_FP8_OVERLAP != 0 && kMma;
 static_assert(!kOverlap || kBN == 128 || EPSERVE_GEMM_FP8_SPLIT_TAILS, "EPSERVE_GEMM_FP8_OVERLAP acts on tiles a "
               "warpgroup computes one half of: build it with EPSERVE_GEMM_FP8_BN=128 or EPSERVE_GEMM_FP8_SPLIT_TAILS=1");
-static_assert(kMerge == 0 || ((kMerge == 8 || kMerge == 16) && kSwiGLU && kSplitTails && !kOverlap && kMma),
-              "EPSERVE_GEMM_FP8_MERGE_TAILS: 8 or 16, GEMM 1 (SwiGLU) with split tails, no overlap");
 // Named barriers of the split tails' GEMM 1 epilogue (0 is __syncthreads; 2 and 3 are the
 // mailbox's, 4 the peer sink's send warps').
 constexpr int kSplitBarrierConsumers = 5, kSplitBarrierFirst = 6;
@@ -210,17 +188,10 @@ constexpr int kSplitBarrierConsumers = 5, kSplitBarrierFirst = 6;
 // 16 bytes (bank spread; the peer sink reads rows by stride), as in the bf16 kernel. GEMM 1:
 // kBM rows of 128 e4m3 with each row's 16-byte chunks rotated by row % 8 (the consumers'
 // 2-byte writes then spread over the banks), followed by the rows' scales.
-// With EPSERVE_GEMM_FP8_MERGE_TAILS a GEMM 1 tile has up to kMerge more rows, and its tail's act
-// goes through a bf16 buffer (kXLd bytes a row) that starts at row kBM and runs kXExtra bytes
-// past the rows, before the scales.
 struct OutTile {
   static constexpr int kLd = kOutCols + 8;  // bf16 elements between GEMM 2's rows
   static constexpr int kRowBytes = kSwiGLU ? kOutCols : kLd * 2;
-  static constexpr int kRows = kBM + kMerge;
-  static constexpr int kXLd = 264;
-  static constexpr int kXExtra = kMerge * (kXLd - kRowBytes);
-  static constexpr int kScalesOffset = kRows * kRowBytes + kXExtra;
-  static constexpr int kBytes = kScalesOffset + (kSwiGLU ? kRows * 4 : 0);
+  static constexpr int kBytes = kBM * kRowBytes + (kSwiGLU ? kBM * 4 : 0);
   __device__ static int byte_offset(int row, int col) {
     if constexpr (kSwiGLU) return row * kRowBytes + (((col >> 4) ^ (row & 7)) << 4) + (col & 15);
     return row * kRowBytes + col * 2;
@@ -238,9 +209,8 @@ constexpr int kStageBytes = kStageA + kStageB + kStageScales;
 constexpr int kFitStages = (kSmemLimit - kStaticSmem - OutTile::kBytes - kTailBytes) / kStageBytes;
 constexpr int kStages = kFitStages < kMaxStages ? kFitStages : kMaxStages;
 static_assert(kStages >= 2, "shared memory");
-static_assert(kMerge == 0 || kStages >= 4, "the merged tails' bytes leave GEMM 1 its 4 stages");
 constexpr int kSmemBytes = kStages * kStageBytes + OutTile::kBytes + kTailBytes;
-using Scheduler = GroupedTileScheduler<kBM, kOutCols, EPSERVE_GROUP_N, kMerge>;
+using Scheduler = GroupedTileScheduler<kBM, kOutCols, EPSERVE_GROUP_N>;
 
 struct alignas(64) TensorMap {
   unsigned long long opaque[16];
@@ -282,104 +252,6 @@ __device__ __forceinline__ void store_act_rows(unsigned char* out_tile, float* o
   }
 }
 
-// EPSERVE_GEMM_FP8_MERGE_TAILS: a merged tail's k-block, promotion and epilogue. Warpgroup w
-// computes the tail against the stage's gate rows 64w.. (m-block 0) and the matching up rows
-// 128 + 64w.. (m-block 1), so a thread holds gate and up of act columns c = 64w + 16 * warp +
-// lane / 4 and c + 8, for tail rows 8j + 2q and 8j + 2q + 1 (n8 block j, q = lane % 4).
-__device__ __forceinline__ int tail_weight_row(int w, int b) { return 128 * b + 64 * w; }
-
-// tp_b = the stage's 64 weight rows of m-block b . the tail's kTailN A rows, both m-blocks as
-// one group, waited for (operands by their descriptors' low words). Arrays of their own: with
-// accumulators inside `part`'s, ptxas serializes every wgmma of the kernel (C7511).
-__device__ __forceinline__ void tail_k_block_mma(float (&tp0)[kTailN / 2], float (&tp1)[kTailN / 2], uint32_t w0_lo,
-                                                 uint32_t w1_lo, uint32_t rows_lo) {
-  fence_operands(tp0);
-  fence_operands(tp1);
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < kFp8BlockK / 32; ++kk) {
-    const uint64_t rows = smem_desc_sw128_from_lo(rows_lo + 2 * kk);
-    wgmma_m64nNk32_e4m3<kTailN>(tp0, smem_desc_sw128_from_lo(w0_lo + 2 * kk), rows, kk != 0);
-    wgmma_m64nNk32_e4m3<kTailN>(tp1, smem_desc_sw128_from_lo(w1_lo + 2 * kk), rows, kk != 0);
-  }
-  wgmma_commit();
-  wgmma_wait<0>();
-  fence_operands(tp0);
-  fence_operands(tp1);
-}
-
-// ts_b[i] += tp_b[i] * (the A scale of tp_b[i]'s tail row * bs_b): n8 block j holds rows 8j +
-// 2q (tp[4j], tp[4j+2]) and 8j + 2q + 1 (tp[4j+1], tp[4j+3]), whose scales are a[2j], a[2j+1].
-// The scale product and the fma are the unswapped promotion's.
-__device__ __forceinline__ void promote_tail(float (&ts0)[kTailN / 2], float (&ts1)[kTailN / 2],
-                                             const float (&tp0)[kTailN / 2], const float (&tp1)[kTailN / 2],
-                                             const float (&a)[kTailN / 4], float bs0, float bs1) {
-#pragma unroll
-  for (int j = 0; j < kTailN / 8; ++j) {
-    const float s00 = a[2 * j] * bs0, s01 = a[2 * j + 1] * bs0, s10 = a[2 * j] * bs1, s11 = a[2 * j + 1] * bs1;
-    ts0[4 * j] = __fmaf_rn(tp0[4 * j], s00, ts0[4 * j]);
-    ts0[4 * j + 1] = __fmaf_rn(tp0[4 * j + 1], s01, ts0[4 * j + 1]);
-    ts0[4 * j + 2] = __fmaf_rn(tp0[4 * j + 2], s00, ts0[4 * j + 2]);
-    ts0[4 * j + 3] = __fmaf_rn(tp0[4 * j + 3], s01, ts0[4 * j + 3]);
-    ts1[4 * j] = __fmaf_rn(tp1[4 * j], s10, ts1[4 * j]);
-    ts1[4 * j + 1] = __fmaf_rn(tp1[4 * j + 1], s11, ts1[4 * j + 1]);
-    ts1[4 * j + 2] = __fmaf_rn(tp1[4 * j + 2], s10, ts1[4 * j + 2]);
-    ts1[4 * j + 3] = __fmaf_rn(tp1[4 * j + 3], s11, ts1[4 * j + 3]);
-  }
-}
-
-// The tail rows' SwiGLU and quantization, by all consumer threads: a row's 128 act values,
-// whose amax makes its scale, are spread over both warpgroups, so act goes through shared
-// memory as bf16 rows (from the output tile's row kBM on: rows 2 apart land 4 banks apart),
-// then 4 threads a row take its amax, quantize it and write it as rows kBM.. of the output
-// tile. Each step rounds as swiglu_quantize does, value by value.
-__device__ __forceinline__ void store_tail_act(unsigned char* out_tile, float* out_scales,
-                                               const float (&ts0)[kTailN / 2], const float (&ts1)[kTailN / 2],
-                                               int warpgroup, int warp, int lane, int tid) {
-  unsigned char* x = out_tile + kBM * OutTile::kRowBytes;
-  // through empty asm, as in store_act_rows: otherwise the compiler keeps this function's
-  // shared addresses in registers across the tile loop, and they spill
-  int q2 = 2 * (lane % 4), col = 64 * warpgroup + 16 * warp + lane / 4, t4 = tid;
-  asm volatile("" : "+r"(q2), "+r"(col), "+r"(t4));
-  auto xs = [&](int r, int c) { return reinterpret_cast<uint16_t*>(x + r * OutTile::kXLd + 2 * c); };
-#pragma unroll
-  for (int j = 0; j < kTailN / 8; ++j) {
-    const uint32_t at_c = swiglu_bf16x2(pack_bf16x2(ts0[4 * j], ts0[4 * j + 1]), pack_bf16x2(ts1[4 * j], ts1[4 * j + 1]));
-    const uint32_t at_c8 =
-        swiglu_bf16x2(pack_bf16x2(ts0[4 * j + 2], ts0[4 * j + 3]), pack_bf16x2(ts1[4 * j + 2], ts1[4 * j + 3]));
-    const int r = 8 * j + q2;
-    *xs(r, col) = static_cast<uint16_t>(at_c);  // rows r (low half) and r + 1 (high half)
-    *xs(r + 1, col) = static_cast<uint16_t>(at_c >> 16);
-    *xs(r, col + 8) = static_cast<uint16_t>(at_c8);
-    *xs(r + 1, col + 8) = static_cast<uint16_t>(at_c8 >> 16);
-  }
-  named_barrier_sync<kSplitBarrierConsumers, kConsumerThreads>();
-  const int r = t4 / 4, quarter = t4 % 4;  // the first kTailN * 4 threads (whole warps) have a row
-  uint32_t v[16];
-  float amax = 0.f;
-  if (r < kTailN) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const uint2 w = *reinterpret_cast<const uint2*>(x + r * OutTile::kXLd + 64 * quarter + 8 * i);
-      v[2 * i] = w.x;
-      v[2 * i + 1] = w.y;
-      amax = fmaxf(amax, fmaxf(bf16x2_amax(w.x), bf16x2_amax(w.y)));
-    }
-  }
-  // every lane shuffles (inside the branch ptxas adds a divergent-shuffle path, and spills)
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-  named_barrier_sync<kSplitBarrierConsumers, kConsumerThreads>();  // every act row read before rows kBM.. are written
-  if (r < kTailN) {
-    const float inv = fp8_inv_scale(amax);
-#pragma unroll
-    for (int i = 0; i < 16; ++i)
-      *reinterpret_cast<uint16_t*>(out_tile + OutTile::byte_offset(kBM + r, 32 * quarter + 2 * i)) =
-          quantize_bf16x2(v[i], inv);
-    if (quarter == 0) out_scales[kBM + r] = fp8_scale(amax);
-  }
-}
-
 // tma_load_2d, or (EPSERVE_GEMM_FP8_TMA_LOADS) its bytes counted as arrived without a load;
 // with EPSERVE_GEMM_FP8_CHECK_TMA, the hardware's requirements checked first.
 template <bool kIssue>
@@ -410,8 +282,6 @@ constexpr int kPaddingMaps = kMaxStages + 1;
 static_assert(!kZeroPadding || kSmemBytes > 228 * 1024 / 2, "one CTA an SM: the padding maps are per SM");
 extern "C" {
 __device__ TensorMap epserve_gemm_padding_maps[kZeroPadding ? 256 : 1][kPaddingMaps];
-// EPSERVE_GEMM_FP8_MERGE_TAILS: per SM, a copy of map_a whose box is the tail's kMerge rows.
-__device__ TensorMap epserve_gemm_tail_maps[kMerge > 0 ? 256 : 1];
 }
 
 extern "C" __constant__ int epserve_gemm_smem_bytes = kSmemBytes;
@@ -437,7 +307,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   unsigned char* ring_b = ring_a + kStages * kStageA;
   float* ring_sa = reinterpret_cast<float*>(ring_b + kStages * kStageB);
   unsigned char* out_tile = reinterpret_cast<unsigned char*>(ring_sa) + kStages * kStageScales;
-  float* out_scales = reinterpret_cast<float*>(out_tile + OutTile::kScalesOffset);  // GEMM 1 only
+  float* out_scales = reinterpret_cast<float*>(out_tile + kBM * OutTile::kRowBytes);  // GEMM 1 only
   uint64_t* full = reinterpret_cast<uint64_t*>(out_tile + OutTile::kBytes);
   uint64_t* empty = full + kStages;
   SendMailbox* mailbox = reinterpret_cast<SendMailbox*>(full + 2 * kMaxStages);
@@ -502,14 +372,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         padding_maps = epserve_gemm_padding_maps[smid & 255];
         for (int m = 0; m < kPaddingMaps; ++m) padding_maps[m] = map_a;
       }
-      TensorMap* tail_map = nullptr;
-      if constexpr (kMerge > 0) {
-        int smid;
-        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-        tail_map = epserve_gemm_tail_maps + (smid & 255);
-        *tail_map = map_a;
-        tensor_map_set_box<1>(tail_map, kMerge);
-      }
       for (;;) {
         const int index = atomicAdd(tile_counter, 1);
         if (index >= sched.total_tiles) {
@@ -538,16 +400,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             tensor_map_set_extent<1>(m, t.m_end);
             a_map = m;
           }
-          const bool merged = kMerge > 0 && t.rows > kBM;
-          mbarrier_expect_tx(&full[stage], a_boxes * kHalfA + (merged ? kTailA : 0) + kStageB + kScaleBoxBytes);
+          mbarrier_expect_tx(&full[stage], a_boxes * kHalfA + kStageB + kScaleBoxBytes);
           for (int h = 0; h < a_boxes; ++h)
             stage_load<kLoadA>("A", ring_a + stage * kStageA + h * kHalfA, a_map, &full[stage], kt * kBK,
                                t.m_abs + 64 * h, 1, 1024, kHalfA, index);
-          // A merged tail's rows (the box reaches past them into the next expert's, whose
-          // products go to no output row).
-          if (merged)
-            stage_load<kLoadA>("A tail", ring_a + stage * kStageA + kBM * kBK, tail_map, &full[stage], kt * kBK,
-                               t.m_abs + kBM, 1, 1024, kTailA, index);
           // The scales of the tile's rows, from a 16-byte aligned column (past the end of A:
           // zeros, never used).
           stage_load<kLoadScales>("A scales", ring_sa + stage * (kStageScales / 4), &map_sa, &full[stage],
@@ -611,9 +467,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       const int index = stage_tile[stage];
       if (index < 0) break;
       const GroupedTile t = sched.tile(index);
-      // EPSERVE_GEMM_FP8_MERGE_TAILS: a merged tail's sums and k-block parts (two m-blocks each),
-      // in this loop's body so that no tile but a merged one keeps them live.
-      float tsum0[kTailN / 2], tsum1[kTailN / 2], tpart0[kTailN / 2], tpart1[kTailN / 2];
       // The weight scale rows of the tile's two halves: the gate block and its up block, or
       // two neighbouring blocks; GEMM 2's last tile may have no second half.
       const bool second_half = kSwiGLU || (kBN == 256 && t.n_abs + kHalfN < N);
@@ -700,7 +553,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             promote_stage(part, b_scale);
           }
         }
-      } else if (kBN == 256 && computes && !(kMerge > 0 && t.rows > kBM)) {
+      } else if (kBN == 256 && computes) {
 #pragma unroll
         for (int i = 0; i < 128; ++i) sum[i] = 0.f;
         for (int kt = 0; kt < k_blocks; ++kt) {
@@ -718,39 +571,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             release(stage);
             if constexpr (kMma) promote<64>(sum, part, a_lo * b_scale1, a_hi * b_scale1);
           }
-          advance();
-        }
-      } else if (kMerge > 0 && computes) {
-        // A whole tile with its expert's tail (EPSERVE_GEMM_FP8_MERGE_TAILS): each k-block as
-        // above (GEMM 1: both halves), then the tail rows against this warpgroup's gate and up
-        // rows, swapped.
-        const int q2 = 2 * (lane % 4);
-        const uint32_t w0 = tail_weight_row(warpgroup, 0) * kBK / 16, w1 = tail_weight_row(warpgroup, 1) * kBK / 16;
-#pragma unroll
-        for (int i = 0; i < 128; ++i) sum[i] = 0.f;
-#pragma unroll
-        for (int i = 0; i < kTailN / 2; ++i) tsum0[i] = tsum1[i] = 0.f;
-        for (int kt = 0; kt < k_blocks; ++kt) {
-          const float b_scale0 = __ldg(sb0 + kt), b_scale1 = __ldg(sb1 + kt);  // in flight during the wait
-          mbarrier_wait(&full[stage], phase);
-          const float* sa = ring_sa + stage * (kStageScales / 4) + (t.m_abs - scale_box_col(t.m_abs));
-          const float a_lo = sa[row], a_hi = sa[row + 8];
-          const uint32_t a = ring_a_desc + (stage * kStageA + warpgroup * kHalfA) / 16;
-          const uint32_t b = ring_b_desc + stage * kStageB / 16;
-          k_block_mma<kMma>(part, a, b);
-          promote<0>(sum, part, a_lo * b_scale0, a_hi * b_scale0);
-          k_block_mma<kMma>(part, a, b + kHalfN * kBK / 16);
-          // promoted before the tail's wgmmas, so part's registers are free while they run
-          promote<64>(sum, part, a_lo * b_scale1, a_hi * b_scale1);
-          tail_k_block_mma(tpart0, tpart1, b + w0, b + w1, ring_a_desc + (stage * kStageA + kBM * kBK) / 16);
-          float ta[kTailN / 4];  // the tail rows' scales, read before the stage is freed
-#pragma unroll
-          for (int j = 0; j < kTailN / 8; ++j) {
-            ta[2 * j] = sa[kBM + 8 * j + q2];
-            ta[2 * j + 1] = sa[kBM + 8 * j + q2 + 1];
-          }
-          release(stage);
-          promote_tail(tsum0, tsum1, tpart0, tpart1, ta, b_scale0, b_scale1);
           advance();
         }
       } else {  // no rows in this warpgroup's half: free the stages for the producer
@@ -798,7 +618,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       } else if (computes) {
         if constexpr (kSwiGLU) {
           store_act_rows(out_tile, out_scales, sum, row, lane);
-          if (kMerge > 0 && t.rows > kBM) store_tail_act(out_tile, out_scales, tsum0, tsum1, warpgroup, warp, lane, tid);
         } else {
           store_bf16_tile_rows<kOutCols / 8>(out_tile, sum, row, 2 * (lane % 4));
         }

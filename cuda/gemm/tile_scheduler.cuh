@@ -23,13 +23,10 @@ struct GroupedTile {
   int m_abs;  // first row of the tile
   int m_end;  // end of the expert's rows (exclusive)
   int n_abs;  // first output column
-  int rows;   // real rows in the tile: min(kBM, m_end - m_abs), at least 1 (up to kBM + kMergeRows, below)
+  int rows;   // real rows in the tile: min(kBM, m_end - m_abs), at least 1
 };
 
-// kMergeRows > 0: an expert of more than kBM rows whose last rows past a multiple of kBM are
-// at most kMergeRows has no tile of its own for them: its last whole tile takes them in
-// (`rows` up to kBM + kMergeRows; the FP8 GEMM's EPSERVE_GEMM_FP8_MERGE_TAILS).
-template <int kBM, int kBN, int kGroupN = 4, int kMergeRows = 0>
+template <int kBM, int kBN, int kGroupN = 4>
 struct GroupedTileScheduler {
   const int* expert_offsets;  // global [E+1]
   int* mtile_prefix;          // shared [E+1]: m-tiles of the experts before e
@@ -49,9 +46,7 @@ struct GroupedTileScheduler {
       int carry = 0;
       for (int base = 0; base < experts; base += 32) {
         const int e = base + lane;
-        const int rows = e < experts ? __ldg(offsets + e + 1) - __ldg(offsets + e) : 0;
-        int tiles = (rows + kBM - 1) / kBM;
-        if (kMergeRows > 0 && rows > kBM && rows % kBM != 0 && rows % kBM <= kMergeRows) --tiles;
+        const int tiles = e < experts ? (__ldg(offsets + e + 1) - __ldg(offsets + e) + kBM - 1) / kBM : 0;
         int sum = tiles;  // inclusive scan over the warp
 #pragma unroll
         for (int d = 1; d < 32; d <<= 1) {
@@ -85,8 +80,7 @@ struct GroupedTileScheduler {
     t.m_abs = __ldg(expert_offsets + lo) + m * kBM;
     t.m_end = __ldg(expert_offsets + lo + 1);
     t.n_abs = (group * kGroupN + in_group - m * group_n) * kBN;
-    const int left = t.m_end - t.m_abs;  // more than kBM + kMergeRows on every tile but the last
-    t.rows = kMergeRows > 0 && left <= kBM + kMergeRows ? left : min(kBM, left);
+    t.rows = min(kBM, t.m_end - t.m_abs);
     return t;
   }
 };

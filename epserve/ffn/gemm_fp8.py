@@ -37,8 +37,7 @@ _NO_PEERS = launch_arg(np.zeros(1, PEER_SEND_CONFIG))
 # any of them.
 # launch/jobs/time_gemm_fp8.py --variants times them against the shipped ones,
 # tests/gpu/test_gemm_fp8.py holds each to the shipped build's bits, tests/cpu/test_build.py
-# compiles them. Names with "n128" are GEMM 2's only (the kernel refuses them with SwiGLU),
-# names with "merge" GEMM 1's.
+# compiles them. Names with "n128" are GEMM 2's only (the kernel refuses them with SwiGLU).
 _PLAIN = {"EPSERVE_GEMM_FP8_SPLIT_TAILS": 0, "EPSERVE_GEMM_FP8_OVERLAP": 0, "EPSERVE_GEMM_FP8_ZERO_PADDING": 0}
 KNOBS: dict[str, dict[str, int]] = {
     "plain": _PLAIN,
@@ -46,9 +45,6 @@ KNOBS: dict[str, dict[str, int]] = {
     # the shipped build until the fifteenth session: padding rows loaded from the next expert
     "split-unzeroed": {**_PLAIN, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1},
     "split+overlap": {**_PLAIN, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_OVERLAP": 1},
-    # GEMM 1: an expert's last whole tile takes in its tail of at most 8 (16) rows, swapped
-    "split+merge8": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_MERGE_TAILS": 8},
-    "split+merge16": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_MERGE_TAILS": 16},
     "n128": {**_PLAIN, "EPSERVE_GEMM_FP8_BN": 128},
     "n128+overlap": {**_PLAIN, "EPSERVE_GEMM_FP8_BN": 128, "EPSERVE_GEMM_FP8_OVERLAP": 1},
 }
@@ -56,10 +52,8 @@ SHIPPED = {"gemm_fp8_null": "split", "gemm_fp8_peer": "split", "gemm1_fp8_swiglu
 
 
 def knob_applies(base: str, knob: str) -> bool:
-    """Whether KNOBS[knob] builds with variant `base` (the 128-wide tile is GEMM 2's, the merged
-    tails GEMM 1's)."""
-    gemm1 = base.startswith("gemm1")
-    return not (gemm1 and "n128" in knob) and not (not gemm1 and "merge" in knob)
+    """Whether KNOBS[knob] builds with variant `base` (the 128-wide tile is GEMM 2's)."""
+    return not (base.startswith("gemm1") and "n128" in knob)
 
 
 def register_knob(base: str, knob: str) -> str:
