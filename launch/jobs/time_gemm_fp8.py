@@ -77,24 +77,46 @@ def main():
         gemm2(rs, spec, offsets_host, w2, weights, H, I, args)
 
 
+class DenseFp8:
+    """A dense FP8 GEMM of n^3 (random operands, 1 x 128 and 128 x 128 scales) and its
+    launches: ours as a single expert of n rows into c, and cuBLASLt's block-scaled FP8 GEMM
+    on the same operands into c_lt (`lt` is None, and `why_not` says why, where cuBLASLt is
+    not reachable). Outputs start as NaN."""
+
+    def __init__(self, rs, n: int):
+        self.n = n
+        self.a_q, self.a_s = fp8.quantize_rows(rs.standard_normal((n, n), dtype=np.float32).astype(BF16))
+        self.b_q, self.b_s = fp8.quantize_blocks(
+            (rs.standard_normal((1, n, n), dtype=np.float32) / np.sqrt(n)).astype(BF16))
+        self.c, self.c_lt = cupy.full((n, n), np.nan, BF16), cupy.full((n, n), np.nan, BF16)
+        self.offsets = cupy.asarray(np.array([0, n], np.int32))
+        self.why_not = cublaslt.unavailable()
+        self.lt = None if self.why_not is not None else self._lt
+
+    def ours(self):
+        gemm_fp8.grouped_gemm_fp8("null", self.a_q, self.a_s, self.b_q, self.b_s, self.c, self.offsets, 1, self.n,
+                                  self.n)
+
+    def _lt(self):
+        cublaslt.gemm_fp8_nt(self.a_q.data.ptr, self.a_s.data.ptr, self.b_q.data.ptr, self.b_s.data.ptr,
+                             self.c_lt.data.ptr, self.n, self.n, self.n)
+
+
 def dense_fp8(rs, n, args):
     """Our FP8 GEMM as a dense one (a single expert of n rows, n x n weights), its knob builds
     with --variants (each checked bit for bit against it), and cuBLASLt's block-scaled FP8
     GEMM on the same operands where it is reachable (checked against ours)."""
-    a_q, a_s = fp8.quantize_rows(rs.standard_normal((n, n), dtype=np.float32).astype(BF16))
-    b_q, b_s = fp8.quantize_blocks((rs.standard_normal((1, n, n), dtype=np.float32) / np.sqrt(n)).astype(BF16))
-    c, c_lt = cupy.empty((n, n), BF16), cupy.empty((n, n), BF16)
-    offsets = cupy.asarray(np.array([0, n], np.int32))
-    runs = {"fp8": lambda: gemm_fp8.grouped_gemm_fp8("null", a_q, a_s, b_q, b_s, c, offsets, 1, n, n)}
+    d = DenseFp8(rs, n)
+    a_q, a_s, b_q, b_s, c, c_lt, offsets = d.a_q, d.a_s, d.b_q, d.b_s, d.c, d.c_lt, d.offsets
+    runs = {"fp8": d.ours}
     knob_out = {}
     for knob, name in knob_builds("gemm_fp8_null", args):
         out = knob_out[knob] = cupy.empty((n, n), BF16)
         specs = gemm_fp8._specs(name, a_q, a_s, b_q, b_s, n, out, None, offsets, 1, n, n, gemm_fp8._NO_PEERS, 0)
         runs[knob] = lambda specs=specs: gemm_fp8.run(specs)
-    why_not = cublaslt.unavailable()
-    if why_not is None:
-        runs["cublaslt"] = lambda: cublaslt.gemm_fp8_nt(a_q.data.ptr, a_s.data.ptr, b_q.data.ptr, b_s.data.ptr,
-                                                        c_lt.data.ptr, n, n, n)
+    why_not = d.why_not
+    if d.lt is not None:
+        runs["cublaslt"] = d.lt
     times = interleaved_ms(runs, 2, 10)
     row("-", "dense", f"FP8 GEMM (ours) {n}^3", times["fp8"], 2 * n**3, 0)
     for knob, out in knob_out.items():

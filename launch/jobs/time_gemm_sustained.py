@@ -34,9 +34,10 @@ import argparse
 import cupy
 import numpy as np
 from time_gemm import rows_per_expert  # launch/jobs/time_gemm.py
+from time_gemm_fp8 import DenseFp8  # launch/jobs/time_gemm_fp8.py
 
 from epserve.arrays import BF16
-from epserve.bench import arithmetic, cublaslt, power, presets
+from epserve.bench import arithmetic, power, presets
 from epserve.bench.measure import bitwise_wrong
 from epserve.check.fp8_reference import scale_ld
 from epserve.ffn import fp8, gemm, gemm_fp8
@@ -152,21 +153,14 @@ def gemm2_runs(rs, offsets_host, weights, H, I, knobs, bf16_w2, bf16_knobs):
 
 
 def dense_runs(rs, n: int):
-    """name -> (launch, output, reference build) for a dense FP8 GEMM of n^3: ours (one expert of
-    n rows) and, where it is reachable, cuBLASLt's block-scaled FP8 GEMM on the same operands,
-    which sums in another order (no reference build: #wrong "-")."""
-    a_q, a_s = fp8.quantize_rows(rs.standard_normal((n, n), dtype=np.float32).astype(BF16))
-    b_q, b_s = fp8.quantize_blocks((rs.standard_normal((1, n, n), dtype=np.float32) / np.sqrt(n)).astype(BF16))
-    offsets = cupy.asarray(np.array([0, n], np.int32))
-    c = cupy.full((n, n), np.nan, BF16)
-    specs = gemm_fp8._specs("gemm_fp8_null", a_q, a_s, b_q, b_s, n, c, None, offsets, 1, n, n, gemm_fp8._NO_PEERS, 0)
-    runs = {"FP8, shipped": (lambda: gemm_fp8.run(specs), (c,), "FP8, shipped")}
-    why_not = cublaslt.unavailable()
-    if why_not is None:
-        c_lt = cupy.full((n, n), np.nan, BF16)
-        runs["cuBLASLt FP8"] = (lambda: cublaslt.gemm_fp8_nt(a_q.data.ptr, a_s.data.ptr, b_q.data.ptr, b_s.data.ptr,
-                                                             c_lt.data.ptr, n, n, n), (c_lt,), None)
-    return runs, 2.0 * n**3, why_not
+    """name -> (launch, output, reference build) for a dense FP8 GEMM of n^3: ours and, where it
+    is reachable, cuBLASLt's on the same operands, which sums in another order (no reference
+    build: #wrong "-"); the FLOPs, and why there is no cuBLASLt row (None if there is one)."""
+    d = DenseFp8(rs, n)
+    runs = {"FP8, shipped": (d.ours, (d.c,), "FP8, shipped")}
+    if d.lt is not None:
+        runs["cuBLASLt FP8"] = (d.lt, (d.c_lt,), None)
+    return runs, 2.0 * n**3, d.why_not
 
 
 def measure(gemm_name: str, runs: dict, flops: float, args, log: power.PowerLog) -> list:
