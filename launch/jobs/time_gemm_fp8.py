@@ -107,25 +107,24 @@ def dense_fp8(rs, n, args):
     with --variants (each checked bit for bit against it), and cuBLASLt's block-scaled FP8
     GEMM on the same operands where it is reachable (checked against ours)."""
     d = DenseFp8(rs, n)
-    a_q, a_s, b_q, b_s, c, c_lt, offsets = d.a_q, d.a_s, d.b_q, d.b_s, d.c, d.c_lt, d.offsets
     runs = {"fp8": d.ours}
     knob_out = {}
     for knob, name in knob_builds("gemm_fp8_null", args):
         out = knob_out[knob] = cupy.empty((n, n), BF16)
-        specs = gemm_fp8._specs(name, a_q, a_s, b_q, b_s, n, out, None, offsets, 1, n, n, gemm_fp8._NO_PEERS, 0)
+        specs = gemm_fp8._specs(name, d.a_q, d.a_s, d.b_q, d.b_s, n, out, None, d.offsets, 1, n, n,
+                                gemm_fp8._NO_PEERS, 0)
         runs[knob] = lambda specs=specs: gemm_fp8.run(specs)
-    why_not = d.why_not
     if d.lt is not None:
         runs["cublaslt"] = d.lt
     times = interleaved_ms(runs, 2, 10)
     row("-", "dense", f"FP8 GEMM (ours) {n}^3", times["fp8"], 2 * n**3, 0)
     for knob, out in knob_out.items():
-        same = bool((out.view(np.uint16) == c.view(np.uint16)).all())
+        same = bool((out.view(np.uint16) == d.c.view(np.uint16)).all())
         row("-", "dense", f"ours, {knob}", times[knob], 2 * n**3, 0, "bitwise" if same else "DIFFER")
-    if why_not is None:
-        row("-", "dense", f"cuBLASLt FP8 {n}^3", times["cublaslt"], 2 * n**3, 0, rel_diff(c_lt, c))
+    if d.lt is not None:
+        row("-", "dense", f"cuBLASLt FP8 {n}^3", times["cublaslt"], 2 * n**3, 0, rel_diff(d.c_lt, d.c))
     else:
-        print(f"# no cuBLASLt FP8 rows: {why_not}")
+        print(f"# no cuBLASLt FP8 rows: {d.why_not}")
 
 
 def rel_diff(c, ref) -> str:

@@ -135,7 +135,8 @@ def gemm1_runs(rs, offsets_host, weights, H, I, knobs, bf16_w13, bf16_knobs):
 
 
 def gemm2_runs(rs, offsets_host, weights, H, I, knobs, bf16_w2, bf16_knobs):
-    """name -> (launch, output) for GEMM 2's builds (the null sink: C stored)."""
+    """name -> (launch, output, the name of the build it must equal) for GEMM 2's builds (the
+    null sink: C stored); outputs poisoned before the first launch."""
     E, M = weights.w2.shape[0], int(offsets_host[-1])
     offsets, A, (a_q, a_s) = operands(rs, offsets_host, I)
     runs = {}
