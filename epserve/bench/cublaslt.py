@@ -3,9 +3,9 @@ baseline of the FP8 presets and their dense limit, as cuBLAS's bf16 GEMM is for 
 
 cuBLASLt 12.9+ on Hopper takes DeepSeek-V3's recipe: e4m3 operands, one fp32 scale per 1 x 128
 of the activations (CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F) and one per 128 x 128 block of
-the weights (BLK128x128_32F). The library ships with CuPy's toolkit wheels (cupy-cuda13x[ctk]
-brings nvidia-cublas) and is found by cuda-pathfinder, so nothing new is installed; CuPy has
-no binding of cublasLt, hence ctypes.
+the weights (BLK128x128_32F). The library comes with the nvidia-cublas wheel that epserve
+installs for CuPy's cuBLAS and is found by cuda-pathfinder, so nothing new is installed; CuPy
+has no binding of cublasLt, hence ctypes.
 
 Layouts, in epserve's row-major terms, C [M, N] = A [M, K] @ W [N, K]^T:
 - A: e4m3 [M, K]; its scales [K / 128, M] float32, k-block-major with a pitch of exactly M
