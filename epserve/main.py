@@ -19,7 +19,7 @@ import numpy as np
 
 from epserve.arrays import BF16
 from epserve.bench.events import median_ms
-from epserve.bench.measure import bitwise_wrong
+from epserve.bench.wrong import bitwise_wrong
 from epserve.check.testing import routing
 from epserve.comm import mpi as ep_comm
 from epserve.config import MoEConfig

@@ -9,7 +9,10 @@ and library rows (BASELINES):
     unfused         GEMM 2 with the null sink + the transport (NCCL, or the IPC copy where
                     ranks share a GPU) + the reduction
     library         cuBLAS per expert + the same transport + the reduction
-    dispatch-direct direct-store dispatch (one row per token and destination)
+    dispatch-direct direct-store dispatch (one row per token and destination): the public
+                    call, its one host wait included
+    dispatch-layer  the same dispatch as forward runs it (no host wait), calls queued back
+                    to back: the GPU's time (bench/dispatch_paths.py)
     dispatch-nccl   the NCCL dispatch: planned on the device, one row per token and
                     destination in fixed-size blocks, one grouped send/recv (where ranks share
                     a GPU: planned on the host, one row per slot, pulled over IPC)
@@ -36,29 +39,33 @@ Each path also runs once more, untimed, with its host waits and MPI calls counte
 from __future__ import annotations
 
 import functools
-import sys
 from dataclasses import dataclass
 
 import cupy
 import numpy as np
 
 from epserve.arrays import BF16
-from epserve.bench import arithmetic
+from epserve.bench import arithmetic, dispatch_paths
 from epserve.bench.cublas import grouped_gemm_per_expert
-from epserve.bench.events import samples_ms
+from epserve.bench.events import queued_samples_ms, samples_ms
 from epserve.bench.host_calls import counting
 from epserve.bench.library_layer import LibraryLayer, torch_grouped_mm
+from epserve.bench.wrong import bitwise_wrong, tolerance_wrong
 from epserve.comm.nccl import exchange_rows
 from epserve.ffn import gemm
 
-PATHS = ("gemm1", "gemm2", "fused", "unfused", "library", "dispatch-direct", "dispatch-nccl", "alltoall",
+__all__ = ["bitwise_wrong", "tolerance_wrong"]  # #wrong's functions, for the callers that take them from here
+
+PATHS = ("gemm1", "gemm2", "fused", "unfused", "library", "dispatch-direct", "dispatch-layer", "dispatch-nccl",
+         "alltoall",
          "layer-fused", "layer-unfused", "layer-library", "layer-torch")
 # path -> (its unfused baseline, its library baseline): a family compares with itself.
 _GEMM2 = ("unfused", "library")
 _DISPATCH = ("dispatch-nccl", "alltoall")
 _LAYER = ("layer-unfused", "layer-library")
 BASELINES = {"gemm1": (None, None), "gemm2": _GEMM2, "fused": _GEMM2, "unfused": _GEMM2, "library": _GEMM2,
-             "dispatch-direct": _DISPATCH, "dispatch-nccl": _DISPATCH, "alltoall": _DISPATCH,
+             "dispatch-direct": _DISPATCH, "dispatch-layer": _DISPATCH, "dispatch-nccl": _DISPATCH,
+             "alltoall": _DISPATCH,
              "layer-fused": _LAYER, "layer-unfused": _LAYER, "layer-library": _LAYER, "layer-torch": _LAYER}
 UNFUSED = {path: pair[0] for path, pair in BASELINES.items()}
 LIBRARY = {path: pair[1] for path, pair in BASELINES.items()}
@@ -94,39 +101,6 @@ class PathResult:
     mpi_calls: int | None = None
 
 
-def bitwise_wrong(a, b) -> int:
-    """Elements of a that differ from b's in any bit (bf16 rows, e4m3 codes, fp32 scales)."""
-    if a.shape != b.shape or a.dtype.itemsize != b.dtype.itemsize:
-        return max(a.size, b.size)
-    kind = f"u{a.dtype.itemsize}"
-    return int((a.view(kind) != b.view(kind)).sum())
-
-
-def tolerance_wrong(a, b, label: str = "") -> int:
-    """Elements of a in rows whose relative error against b exceeds 1e-2 (the bf16 oracle:
-    ||a_t - b_t|| <= 1e-2 ||b_t||, with a floor of 1e-3 of the output's rms for rows near
-    zero), for paths whose GEMMs sum in another order. A misrouted token, a wrong expert or
-    weight puts its whole row near relative error 1; rounding in another order stays near
-    2^-8. Compared element by element instead, a library's GEMMs put a few of millions of
-    elements past any fixed elementwise bound. The worst row goes to stderr when any fails."""
-    if a.shape != b.shape:
-        return max(a.size, b.size)
-    if b.size == 0:
-        return 0
-    a64, b64 = a.astype(np.float64), b.astype(np.float64)
-    H = b.shape[-1]
-    rms = float(cupy.sqrt(cupy.mean(b64 * b64)))
-    err = cupy.sqrt(cupy.sum((a64 - b64) ** 2, axis=-1))
-    ref = cupy.sqrt(cupy.sum(b64 * b64, axis=-1))
-    rel = err / cupy.maximum(ref, 1e-3 * rms * np.sqrt(H) + 1e-30)
-    bad = int((rel > 1e-2).sum())
-    if bad:
-        t = int(cupy.argmax(rel))
-        print(f"# {label}: {bad} row(s) past relative error 1e-2; worst row {t}: {float(rel[t]):.3g}",
-              file=sys.stderr, flush=True)
-    return bad * H
-
-
 def dispatch_work(counts, hidden: int, dedup: bool) -> arithmetic.Work:
     """Read each token once, write each dispatched row once, and the link bytes."""
     hbm = (counts.tokens + counts.rows) * hidden * 2
@@ -155,6 +129,11 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
     direct = svc.dispatch(x, idx, w, "direct")
     baseline = svc.dispatch(x, idx, w, "nccl")
     plan = baseline.plan or svc._host_plan(idx)  # the host plan: the library rows compose with it
+    dispatch_layer = dispatch_paths.in_layer(svc, x, idx)
+    reference = dispatch_paths.DispatchReference(baseline)
+    dispatch_wrong = {"dispatch-direct": reference.wrong(svc.direct, lambda: svc.dispatch(x, idx, w, "direct")),
+                      "dispatch-layer": reference.wrong(svc.direct, dispatch_layer)}
+    del reference
     nccl_path = svc.nccl_path  # the NCCL path planned on the device, None where ranks share a GPU
     M = direct.num_rows
     act, act_again = cupy.empty((M, I), BF16), cupy.empty((M, I), BF16)
@@ -201,6 +180,7 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
         "unfused": unfused,
         "library": library,
         "dispatch-direct": lambda: svc.dispatch(x, idx, w, "direct"),
+        "dispatch-layer": dispatch_layer,
         "dispatch-nccl": lambda: svc.dispatch(x, idx, w, "nccl"),
         "layer-fused": lambda: svc.forward(x, idx, w, w13, w2, "peer", "direct", out=outs["layer-fused"]),
         "layer-unfused": lambda: svc.forward(x, idx, w, w13, w2, "null", "nccl", out=outs["layer-unfused"]),
@@ -220,8 +200,7 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
         "fused": bitwise_wrong(outs["fused"], outs["unfused"]),
         "unfused": None,
         "library": tolerance_wrong(outs["library"], outs["unfused"], f"library, {T} tokens/rank"),
-        "dispatch-direct": sum(bitwise_wrong(getattr(direct, f), getattr(baseline, f))
-                               for f in ("rows", "expert_offsets", "src_info")),
+        **dispatch_wrong,
         "dispatch-nccl": None,
         "alltoall": None,
         "layer-fused": bitwise_wrong(outs["layer-fused"], outs["layer-unfused"]),
@@ -238,6 +217,7 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
         "unfused": arithmetic.gemm2_combine_work(counts, H, I),
         "library": arithmetic.gemm2_combine_work(counts, H, I),
         "dispatch-direct": dispatch_work(counts, H, dedup=True),
+        "dispatch-layer": dispatch_work(counts, H, dedup=True),
         "dispatch-nccl": dispatch_work(counts, H, dedup=nccl_path is not None),
         "alltoall": dispatch_work(counts, H, dedup=False),
         "layer-fused": arithmetic.layer_work(counts, H, I, dedup_dispatch=True),
@@ -250,13 +230,19 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
             for p in paths]
 
 
+# Paths timed with their calls queued back to back (events.queued_samples_ms): no host wait of
+# their own, so each event pair is the GPU's time.
+QUEUED = ("dispatch-layer",)
+
+
 def time_paths(comm, runs, paths, warmup: int, iters: int) -> tuple[dict, dict]:
     """Each path's samples (every rank starting together) and the host waits and MPI calls
     of one more call: (samples by path, counts by path)."""
     samples, calls = {}, {}
     for path in paths:
         comm.Barrier()
-        samples[path] = samples_ms(runs[path], warmup, iters)
+        timer = queued_samples_ms if path in QUEUED else samples_ms
+        samples[path] = timer(runs[path], warmup, iters)
         comm.Barrier()
         with counting() as counted:
             runs[path]()

@@ -6,7 +6,10 @@ bf16 presets' path names, so the report and the baselines read them alike:
   gemm2          FP8 GEMM 2 with the peer sink gated off (the math alone)
   fused          FP8 GEMM 2 with the peer sink + the reduction
   unfused        FP8 GEMM 2 storing C + the transport + the reduction
-  dispatch-direct the FP8 direct dispatch: packed rows, quantized inside its move kernel
+  dispatch-direct the FP8 direct dispatch: packed rows, quantized inside its move kernel (the
+                 public call, its host wait included)
+  dispatch-layer the same as forward runs it, calls queued back to back: the GPU's time
+                 (bench/dispatch_paths.py)
   layer-fused    forward, direct dispatch, peer sink
   layer-unfused  forward, NCCL dispatch, null sink
   layer-library  the layer composed from libraries with cuBLASLt's block-scaled FP8 GEMM per
@@ -16,7 +19,9 @@ bf16 presets' path names, so the report and the baselines read them alike:
 Their FLOPs are the bf16 layer's (the same products); the caller rates the GEMMs against an
 FP8 dense limit measured in the same run (limits.fp8_gemm_rates). The HBM floors keep bf16's
 weight bytes, so for the weight-bound decode they are upper bounds. Checked: fused ==
-unfused and layer-fused == layer-unfused bitwise, GEMM 1 reruns bitwise. Reported, not
+unfused and layer-fused == layer-unfused bitwise, GEMM 1 reruns bitwise, both direct
+dispatches (which quantize in their move) into poisoned buffers against the NCCL dispatch
+(quantized in a launch of its own) bitwise. Reported, not
 asserted: the FP8 layer's relative error against the bf16 layer on the same tokens and
 (unquantized) weights, which is what FP8 costs in accuracy."""
 
@@ -26,22 +31,22 @@ import cupy
 import numpy as np
 
 from epserve.arrays import BF16
-from epserve.bench import arithmetic, cublaslt
+from epserve.bench import arithmetic, cublaslt, dispatch_paths
 from epserve.bench.library_layer import LibraryLayerFP8
 from epserve.bench.measure import (
     PathResult,
     _busiest_rank,
-    bitwise_wrong,
     dispatch_work,
     library_swiglu,
     point_inputs,
     time_paths,
-    tolerance_wrong,
 )
+from epserve.bench.wrong import bitwise_wrong, tolerance_wrong
 from epserve.dispatch.host import Dispatcher
 from epserve.ffn import fp8_stage, gemm
 
-PATHS = ("gemm1", "gemm2", "fused", "unfused", "dispatch-direct", "layer-fused", "layer-unfused", "layer-library")
+PATHS = ("gemm1", "gemm2", "fused", "unfused", "dispatch-direct", "dispatch-layer", "layer-fused", "layer-unfused",
+         "layer-library")
 
 
 def _bf16_dispatcher(svc) -> Dispatcher:
@@ -64,6 +69,13 @@ def measure_point_fp8(svc, w13, w2, fp8w, topk_all, seed: int, warmup: int, iter
     counts, idx, x, w = point_inputs(svc, topk_all, seed)
     T = idx.shape[0]
 
+    # The NCCL dispatch (or where ranks share a GPU the host-planned one) quantizes x in a
+    # launch of its own: the reference of the direct dispatches, which quantize in their move.
+    reference = dispatch_paths.DispatchReference(svc.dispatch(x, idx, w, "nccl"))
+    dispatch_layer = dispatch_paths.in_layer(svc, x, idx)
+    dispatch_wrong = {"dispatch-direct": reference.wrong(svc.direct, lambda: svc.dispatch(x, idx, w, "direct")),
+                      "dispatch-layer": reference.wrong(svc.direct, dispatch_layer)}
+    del reference
     direct = svc.dispatch(x, idx, w, "direct")
     M = direct.num_rows
     buffers = fp8_stage.FP8Buffers(max(M, 1), H, I)  # the bench's own act, beside the service's
@@ -91,6 +103,7 @@ def measure_point_fp8(svc, w13, w2, fp8w, topk_all, seed: int, warmup: int, iter
         "fused": lambda: comb.fused(act, fp8w, rows_src, idx, w, I, out=outs["fused"]),
         "unfused": unfused,
         "dispatch-direct": lambda: svc.dispatch(x, idx, w, "direct"),
+        "dispatch-layer": dispatch_layer,
         "layer-fused": lambda: svc.forward(x, idx, w, fp8w, None, "peer", "direct", out=outs["layer-fused"]),
         "layer-unfused": lambda: svc.forward(x, idx, w, fp8w, None, "null", "nccl", out=outs["layer-unfused"]),
     }
@@ -120,7 +133,7 @@ def measure_point_fp8(svc, w13, w2, fp8w, topk_all, seed: int, warmup: int, iter
         "gemm2": None,
         "fused": bitwise_wrong(outs["fused"], outs["unfused"]),
         "unfused": None,
-        "dispatch-direct": None,
+        **dispatch_wrong,
         "layer-fused": bitwise_wrong(outs["layer-fused"], outs["layer-unfused"]),
         "layer-unfused": None,
         "layer-library": (tolerance_wrong(outs["layer-library"], outs["layer-unfused"], f"layer-library, {T} tokens/rank")
@@ -132,6 +145,7 @@ def measure_point_fp8(svc, w13, w2, fp8w, topk_all, seed: int, warmup: int, iter
         "fused": arithmetic.gemm2_combine_work(counts, H, I),
         "unfused": arithmetic.gemm2_combine_work(counts, H, I),
         "dispatch-direct": dispatch_work(counts, fp8_stage.dispatch_width(H), dedup=True),  # packed FP8 rows
+        "dispatch-layer": dispatch_work(counts, fp8_stage.dispatch_width(H), dedup=True),
         "layer-fused": arithmetic.layer_work(counts, H, I, dedup_dispatch=True),
         "layer-unfused": arithmetic.layer_work(counts, H, I, dedup_dispatch=nccl_path is not None),
         "layer-library": arithmetic.layer_work(counts, H, I, dedup_dispatch=False),

@@ -37,7 +37,12 @@ ISSUE_16 = (
     Target("GEMM 2 (FP8)", "dsv3-prefill-fp8", 4096, "gemm2", "tflop_s", 1100),
     Target("prefill layer, fused", "dsv3-prefill-fp8", 4096, "layer-fused", "ms", 3.5),
     Target("decode layer, fused", "dsv3-decode-fp8", 128, "layer-fused", "ms", 1.6),
-    Target("FP8 / bf16 dispatch", "dsv3-prefill-fp8", 4096, "dispatch-direct", "ratio", 0.6,
+    # The dispatch target on both of the bench's dispatch rows (bench/dispatch_paths.py): the
+    # dispatch as the layer runs it, GPU time, as DeepEP's figures in the issue are taken, and
+    # the public call, whose host wait and result objects are a cost of the same size in both.
+    Target("FP8/bf16 dispatch, in the layer", "dsv3-prefill-fp8", 4096, "dispatch-layer", "ratio", 0.6,
+           over_preset="dsv3-prefill"),
+    Target("FP8/bf16 dispatch, public call", "dsv3-prefill-fp8", 4096, "dispatch-direct", "ratio", 0.6,
            over_preset="dsv3-prefill"),
 )
 

@@ -13,12 +13,14 @@ from epserve.runtime.gpu_probe import gpu_count
 
 ROOT = Path(__file__).resolve().parents[2]
 # The paths the benchmark compares with a reference (#wrong): bitwise with the unfused output or
-# dispatch, within bf16 tolerance for the cuBLAS library paths.
-CHECKED_PATHS = ("fused", "library", "dispatch-direct", "layer-fused", "layer-library")
+# dispatch, within bf16 tolerance for the cuBLAS library paths. Both direct dispatches (the
+# public call and the layer's) into poisoned buffers against the NCCL or host-planned one.
+CHECKED_PATHS = ("fused", "library", "dispatch-direct", "dispatch-layer", "layer-fused", "layer-library")
 # The -fp8 presets (epserve/bench/measure_fp8.py): fused and layer-fused bitwise against the
-# unfused ones, GEMM 1 against its own rerun, and, where the ranks have NCCL (a GPU each), the
-# library layer on cuBLASLt's block-scaled FP8 GEMM within bf16 tolerance.
-CHECKED_PATHS_FP8 = ("gemm1", "fused", "layer-fused")
+# unfused ones, GEMM 1 against its own rerun, the direct dispatches as above, and, where the
+# ranks have NCCL (a GPU each), the library layer on cuBLASLt's block-scaled FP8 GEMM within
+# bf16 tolerance.
+CHECKED_PATHS_FP8 = ("gemm1", "fused", "dispatch-direct", "dispatch-layer", "layer-fused")
 
 
 def checked_paths(preset: str, share_gpu: bool = True) -> tuple:
@@ -46,7 +48,7 @@ def test_quick_bench_of_every_preset(tmp_path, share_gpu):
     run = json.loads((tmp_path / "bench.json").read_text())
     seen = {(r["preset"]["name"].split("/")[0], r["path"]) for r in run["rows"] if r["timing"] is not None}
     for name in PRESETS:
-        for path in ("unfused", "gemm2", "dispatch-direct", *checked_paths(name, share_gpu)):
+        for path in ("unfused", "gemm2", "dispatch-direct", "dispatch-layer", *checked_paths(name, share_gpu)):
             assert (name, path) in seen, (name, path)
         if not share_gpu and not name.endswith("-fp8"):  # the FP8 presets time epserve's paths only
             assert (name, "alltoall") in seen, name
@@ -54,7 +56,7 @@ def test_quick_bench_of_every_preset(tmp_path, share_gpu):
     assert all(r["host_waits"] is not None and r["mpi_calls"] is not None
                for r in run["rows"] if r["timing"] is not None)
     epserve_paths = [r for r in run["rows"]
-                     if r["timing"] is not None and r["path"] in ("layer-fused", "dispatch-direct")]
+                     if r["timing"] is not None and r["path"] in ("layer-fused", "dispatch-direct", "dispatch-layer")]
     assert epserve_paths and all(r["mpi_calls"] == 0 for r in epserve_paths)
     # Every point of a checked path was checked, and found right; None would mean unchecked.
     checked = [r for r in run["rows"]
