@@ -122,7 +122,7 @@ __device__ __forceinline__ int chunk_rows(int n, int c) {
 __device__ __forceinline__ void token_row_to_many(uint4* my_dst, unsigned lanes, const bf16_t* x, int t, int H,
                                                   int x_cols, int lane) {
 #if EPSERVE_DISPATCH_QUANTIZE
-  quantize_row_to_many(my_dst, lanes, x + static_cast<long long>(t) * x_cols, x_cols, lane);
+  quantize_row_to_many(my_dst, lanes, x + static_cast<long long>(t) * x_cols, x_cols, H / 8, lane);
 #else
   copy_row_to_many(my_dst, lanes, reinterpret_cast<const uint4*>(x + static_cast<long long>(t) * H), H / 8, lane);
 #endif

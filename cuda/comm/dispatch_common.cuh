@@ -144,7 +144,7 @@ __device__ __forceinline__ void copy_row_to_many(uint4* my_dst, unsigned lanes, 
       for (int u = 0; u < kUnroll; ++u) st_v4(dst + b + lane + 32 * u, v[u]);
     }
   }
-  // The last, partial round (a packed FP8 row's 462 chunks leave 78), its loads in flight
+  // The last, partial round (a packed FP8 row's 464 chunks leave 80), its loads in flight
   // together. Apart from the full rounds: one predicated loop for both took the quantizing
   // move kernel from 62 to 80 registers, the most its three blocks an SM allow.
   if (b < n16) {
@@ -166,10 +166,10 @@ __device__ __forceinline__ void copy_row_to_many(uint4* my_dst, unsigned lanes, 
 
 #if EPSERVE_DISPATCH_QUANTIZE
 // One warp quantizes a bf16 row of `cols` columns (a multiple of 128) into a packed FP8 row
-// and stores it to several destinations at once (lanes as copy_row_to_many's): bytes
-// [0, cols) the e4m3 values, then the cols / 128 fp32 scales, zero-padded to 16 bytes
-// (epserve.ffn.fp8.packed_row_bytes). The bits of epserve_quantize_rows_packed_fp8, by the
-// same functions (common/fp8_rows.cuh); its padding is the zeros of the buffer it writes into.
+// of row16 16-byte chunks and stores it to several destinations at once (lanes as
+// copy_row_to_many's): bytes [0, cols) the e4m3 values, then the cols / 128 fp32 scales, then
+// zeros to the row's end (epserve.ffn.fp8.packed_row_bytes: rows on whole 128-byte lines).
+// The bits of epserve_quantize_rows_packed_fp8, by the same functions (common/fp8_rows.cuh).
 // Each pass takes 4 k-blocks of 128 columns: lane l loads 16 bf16 (two 16-byte chunks) of
 // k-block l / 8, the 8 lanes of a k-block reduce its amax, each lane stores its 16 e4m3 as
 // one 16-byte chunk, and lane 0 the pass's 4 scales as one 16-byte chunk (zeros past the
@@ -177,7 +177,7 @@ __device__ __forceinline__ void copy_row_to_many(uint4* my_dst, unsigned lanes, 
 // copy_row_to_many (four passes a round measured no faster and took 80 registers, not 61).
 // The row is read once, however many destinations it has.
 __device__ __forceinline__ void quantize_row_to_many(uint4* my_dst, unsigned lanes, const bf16_t* src, int cols,
-                                                     int lane) {
+                                                     int row16, int lane) {
   constexpr int kPasses = 2;
   const int k_blocks = cols / 128, values16 = cols / 16, g = lane >> 3, i = lane & 7;
   const uint4* row = reinterpret_cast<const uint4*>(src);  // 8 bf16 a chunk: k-block kb's are [16 kb, 16 kb + 16)
@@ -217,6 +217,14 @@ __device__ __forceinline__ void quantize_row_to_many(uint4* my_dst, unsigned lan
       }
     }
   }
+  // The padding after the scale chunks (the last of which holds zeros past the last k-block).
+  const int pad16 = values16 + (k_blocks + 3) / 4;
+  if (pad16 < row16)  // warp-uniform, as lanes is: every lane takes part in the shuffles
+    for (unsigned m = lanes; m; m &= m - 1) {
+      uint4* dst = reinterpret_cast<uint4*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(my_dst), __ffs(m) - 1));
+      for (int c = pad16 + lane; c < row16; c += 32) st_v4(dst + c, make_uint4(0, 0, 0, 0));
+    }
 }
 #endif
 

@@ -35,8 +35,9 @@ extern "C" __global__ void epserve_quantize_rows_fp8(const bf16_t* __restrict__ 
 }
 
 // x [rows, cols] bf16 -> packed [rows, row_bytes] bytes: row m's e4m3 values in bytes
-// [0, cols), its cols / 128 fp32 scales from byte cols on (row_bytes >= cols + cols / 32, a
-// multiple of 16). The values and scales are those of epserve_quantize_rows_fp8, bit for bit.
+// [0, cols), its cols / 128 fp32 scales from byte cols on, then zeros to row_bytes
+// (row_bytes >= cols + cols / 32, a multiple of 4). The values and scales are those of
+// epserve_quantize_rows_fp8, bit for bit; every byte of the row is written.
 extern "C" __global__ void epserve_quantize_rows_packed_fp8(const bf16_t* __restrict__ x, long long rows, int cols,
                                                             unsigned char* __restrict__ packed, long long row_bytes) {
   const int lane = threadIdx.x % 32;
@@ -49,6 +50,9 @@ extern "C" __global__ void epserve_quantize_rows_packed_fp8(const bf16_t* __rest
     unsigned char* row = packed + m * row_bytes;
     *reinterpret_cast<uint32_t*>(row + kb * 128 + lane * 4) = quantize_bf16x4(v, fp8_inv_scale(amax));
     if (lane == 0) reinterpret_cast<float*>(row + cols)[kb] = fp8_scale(amax);
+    if (kb == 0)  // the padding after the scales, by the warp of the row's first k-block
+      for (long long at = cols + (cols / 128) * 4 + lane * 4; at < row_bytes; at += 128)
+        *reinterpret_cast<uint32_t*>(row + at) = 0u;
   }
 }
 

@@ -146,13 +146,13 @@ def test_per_k_block_promotion_is_the_dequantized_product():
     assert np.allclose(total, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
 
 
-def test_packed_fp8_rows_are_whole_16_byte_chunks_holding_values_then_scales():
+def test_packed_fp8_rows_are_whole_128_byte_lines_holding_values_then_scales():
     pytest.importorskip("cupy")
     from epserve.ffn import fp8, fp8_stage
 
-    for hidden, want in ((128, 144), (256, 272), (2048, 2112), (7168, 7392)):
+    for hidden, want in ((128, 256), (256, 384), (2048, 2176), (4096, 4224), (7168, 7424)):
         assert fp8.packed_row_bytes(hidden) == want
-        assert want % 16 == 0 and want >= hidden + hidden // 32
+        assert want % 128 == 0 and hidden + hidden // 32 <= want < hidden + hidden // 32 + 128
         assert fp8_stage.dispatch_width(hidden) * 2 == want and fp8_stage.dispatch_width(hidden) % 8 == 0
     with pytest.raises(ValueError):
         fp8.packed_row_bytes(100)
