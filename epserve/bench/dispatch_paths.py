@@ -3,11 +3,11 @@
   dispatch-direct  EPService.dispatch: the public call, which waits once on the host for the
                    row count and the call's verdict and hands back the rows (the caller's
                    time, host included)
-  dispatch-layer   the same kernels as forward queues them (DirectDispatcher.enqueue: count +
-                   publish, rank + layout, move), no host wait, the row count left on the
-                   device; timed with the calls queued back to back (events.queued_samples_ms),
-                   so it is the GPU's time, as DeepEP's published dispatch times are (its
-                   dispatch given a cached layout)
+  dispatch-layer   EPService.dispatch(wait=False): the same kernels as forward queues them
+                   (count + publish, rank + layout, move), no host wait, the row count left on
+                   the device; timed with the calls queued back to back
+                   (events.queued_samples_ms), so it is the GPU's time, as DeepEP's published
+                   dispatch times are (its dispatch given a cached layout)
 
 Each is checked once, before it is timed, into poisoned buffers: every row, expert offset and
 src_info entry the call must write is set to all ones first, and the call's must then equal
@@ -46,8 +46,6 @@ class DispatchReference:
                 + bitwise_wrong(dispatcher.src_info[:M], self.src_info))
 
 
-def in_layer(svc, x, topk_idx):
-    """dispatch-layer's call: the direct dispatch's launches on checked inputs, as forward
-    makes them (x as forward hands it over: the bf16 tokens, which the FP8 move quantizes)."""
-    rows = svc._rows_to_dispatch(x, "direct")
-    return lambda: svc.direct.enqueue(rows, topk_idx)
+def in_layer(svc, x, topk_idx, topk_weights):
+    """dispatch-layer's call: the direct dispatch with no host wait, as forward runs it."""
+    return lambda: svc.dispatch(x, topk_idx, topk_weights, "direct", wait=False)

@@ -11,7 +11,7 @@ and library rows (BASELINES):
     library         cuBLAS per expert + the same transport + the reduction
     dispatch-direct direct-store dispatch (one row per token and destination): the public
                     call, its one host wait included
-    dispatch-layer  the same dispatch as forward runs it (no host wait), calls queued back
+    dispatch-layer  the same dispatch with no host wait (dispatch(wait=False)), calls queued back
                     to back: the GPU's time (bench/dispatch_paths.py)
     dispatch-nccl   the NCCL dispatch: planned on the device, one row per token and
                     destination in fixed-size blocks, one grouped send/recv (where ranks share
@@ -129,7 +129,7 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
     direct = svc.dispatch(x, idx, w, "direct")
     baseline = svc.dispatch(x, idx, w, "nccl")
     plan = baseline.plan or svc._host_plan(idx)  # the host plan: the library rows compose with it
-    dispatch_layer = dispatch_paths.in_layer(svc, x, idx)
+    dispatch_layer = dispatch_paths.in_layer(svc, x, idx, w)
     reference = dispatch_paths.DispatchReference(baseline)
     dispatch_wrong = {"dispatch-direct": reference.wrong(svc.direct, lambda: svc.dispatch(x, idx, w, "direct")),
                       "dispatch-layer": reference.wrong(svc.direct, dispatch_layer)}

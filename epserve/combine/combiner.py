@@ -154,7 +154,7 @@ class Combiner:
         exchange_rows(self.nccl, packed, h.recv_counts, h.recv_displs, staging, h.send_counts, h.send_displs,
                       row_bytes)
         row_moves.copy_rows(self.recv, staging, plan.home_slot, None, plan.num_send_rows, row_bytes)
-        return self._reduce(topk_idx, topk_weights, out, wait=False)
+        return self._reduce(topk_idx, topk_weights, out, wait=False, status=status)
 
     def unfused_nccl(self, C, nccl_path, topk_idx, topk_weights, out=None):
         """C (GEMM 2's null build after nccl_path's dispatch of this call) -> recv slots over

@@ -15,12 +15,14 @@ import numpy as np
 
 @dataclass
 class Dispatched:
-    """What dispatch returns: this rank's expert rows and where each came from."""
+    """What dispatch returns: this rank's expert rows and where each came from. A dispatch that
+    did not wait (EPService.dispatch(wait=False)) leaves the row count on the device: rows and
+    src_info are then capacity-sized, num_rows is None, and expert_offsets[-1] holds M."""
 
     rows: cupy.ndarray            # [M, H] bf16, expert-contiguous (dispatch order)
     expert_offsets: cupy.ndarray  # [E_loc + 1] int32
     src_info: cupy.ndarray        # [M] int32, packed (rank << 24) | (token << 4) | slot
-    num_rows: int                 # M
+    num_rows: int | None          # M, or None when the count stayed on the device
 
 
 class RowCount:

@@ -69,6 +69,9 @@ class DispatchResult(Dispatched):
     topk_weights: cupy.ndarray = None
     plan: DevicePlan | None = None  # the host-side plan, when the baseline dispatch made one
     after_direct: bool = False  # the rows came by the direct dispatch (its state serves their combine)
+    # a dispatch that did not wait: its call status (the verdict, on the device), which the
+    # expert FFN's kernels read, so that a stopped call computes nothing and poisons its output
+    status: cupy.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -260,7 +263,7 @@ class EPService:
             raise ConfigError(f"{what} must be one of {allowed}, got {value!r}")
 
     # ---- the layer ----------------------------------------------------------------------
-    def dispatch(self, x, topk_idx, topk_weights, transport: str = "direct") -> DispatchResult:
+    def dispatch(self, x, topk_idx, topk_weights, transport: str = "direct", wait: bool = True) -> DispatchResult:
         """Token rows to the ranks owning their experts, expert-contiguous there.
 
         transport "direct": each row crosses to a rank at most once, by IPC stores, expanded on
@@ -276,8 +279,25 @@ class EPService:
         in a launch before it: the same bytes.
 
         A transport other than these raises ConfigError on the calling rank at once (the ranks
-        cannot agree on a path they do not share); forward checks it on every rank together."""
+        cannot agree on a path they do not share); forward checks it on every rank together.
+
+        wait  True (default): wait for the call's end. Every rank raises a failure here, the
+              result's num_rows is this call's row count, and expert_offsets and src_info are
+              the call's own copies. False: no host wait, as forward's own dispatch. The
+              result's rows, expert_offsets and src_info are then the dispatcher's
+              capacity-sized buffers (valid until the next dispatch or forward), num_rows is
+              None (expert_offsets[-1] holds the count on the device), and the call can be
+              captured in a CUDA graph. A failure (another rank's bad input, a bad expert id, a
+              receive overflow, a peer that stopped) is recorded on the device: check() raises
+              it, the rows' expert_offsets are all zero, and expert_ffn on the result poisons
+              its output. A rank whose own input is bad still raises its ConfigError at once,
+              after taking its part. Needs a dispatch planned on the device: "direct" (not
+              across nodes with EPSERVE_OFFNODE_SIZES=host) or "nccl" where every rank has its
+              own GPU; elsewhere ConfigError (on every rank alike: they share the placement).
+              In FP8 mode the direct dispatch quantizes in its move as with wait=True."""
         self._check_choice("dispatch transport", transport, DISPATCHES)
+        if not wait:
+            return self._dispatch_queued(x, topk_idx, topk_weights, transport)
         error = None
         try:
             x, topk_idx, topk_weights = self._tokens(x, topk_idx, topk_weights)
@@ -298,6 +318,27 @@ class EPService:
         rows = self.baseline.dispatch(x, plan)
         return DispatchResult(rows, plan.expert_offsets, plan.src_info, plan.num_recv_rows, topk_idx, topk_weights,
                               plan)
+
+    def _dispatch_queued(self, x, topk_idx, topk_weights, transport: str) -> DispatchResult:
+        """dispatch(wait=False): the dispatcher's launches, queued; see dispatch."""
+        if transport == "direct" and self.host_waits:
+            raise ConfigError(f"{SIZES_ENV}=host: the direct dispatch reads each call's sizes on the host, so it "
+                              f"cannot return without waiting; unset {SIZES_ENV} (capacity blocks) or wait")
+        d = self.direct if transport == "direct" else self.nccl_path
+        if d is None:
+            raise ConfigError("dispatch(wait=False) with transport 'nccl' needs a GPU per rank: where ranks share a "
+                              "GPU the NCCL dispatch is planned on the host, which waits")
+        try:
+            x, topk_idx, topk_weights = self._tokens(x, topk_idx, topk_weights)
+        except ConfigError as exc:
+            d.enqueue(None, None, rejected=True)  # this rank's count row stops the call on every rank
+            # Raises exc after reading the call's record (one host wait, on the failing rank
+            # only), which only says that this rank rejected its input: check() will not raise it.
+            self.signals.raise_pending_or(self.rank, exc)
+            raise
+        d.enqueue(self._rows_to_dispatch(x, transport), topk_idx)
+        return DispatchResult(d.rows, d.expert_offsets, d.src_info, None, topk_idx, topk_weights,
+                              after_direct=transport == "direct", status=d.status)
 
     def _host_plan(self, topk_idx) -> DevicePlan:
         c = self.config
@@ -332,31 +373,49 @@ class EPService:
 
     def _expert_ffn(self, d: DispatchResult, w13, w2, sink, out, gate):
         c = self.config
-        M, I, H, e_loc = d.num_rows, c.intermediate, c.hidden, c.experts_per_rank
+        # A dispatch that did not wait left its count on the device: its rows are capacity-sized.
+        M = d.num_rows if d.num_rows is not None else c.recv_rows_capacity
+        I, H, e_loc = c.intermediate, c.hidden, c.experts_per_rank
         if self.fp8:  # into the capacity buffers: the scale unpacking stops at the row count
             gemm.run(fp8_stage.gemm1_specs(self._fp8, d.rows, d.expert_offsets, w13, e_loc, I, H))
             act = self._fp8.act
-        else:
-            act = cupy.empty((M, I), BF16)
+        else:  # capacity-sized rows: forward's act, made once
+            act = cupy.empty((M, I), BF16) if d.num_rows is not None else self._act
             gemm.gemm1_swiglu(d.rows, w13, act, d.expert_offsets, e_loc, I, H)
         comb = self.combiner
         if gate < 0:
             comb.gemm_only(act, w2, self._send_plan(d), I)
             return None
         if sink == "peer":
-            out = comb.fused(act, w2, self._send_plan(d), d.topk_idx, d.topk_weights, I, out=out,
+            out = comb.fused(act, w2, self._send_plan(d), d.topk_idx, d.topk_weights, I, out=out, status=d.status,
                              after_direct=d.after_direct)
         else:
-            C = cupy.empty((M, H), BF16)
+            C = cupy.empty((M, H), BF16) if d.num_rows is not None else self._capacity_C()
             gemm.run(fp8_stage.gemm2_specs("null", act, w2, C, d.expert_offsets, e_loc, H, I))
-            plan = self._send_plan(d) if self.transport == "ipc" else (d.plan or self._host_plan(d.topk_idx))
-            out = comb.unfused(C, plan, d.topk_idx, d.topk_weights, out=out, after_direct=d.after_direct)
+            if self.transport == "ipc":  # the IPC push takes the row count on the host (it waits for it)
+                plan = self._send_plan(d, count_on_host=True)
+            else:
+                plan = d.plan or self._host_plan(d.topk_idx)
+            out = comb.unfused(C, plan, d.topk_idx, d.topk_weights, out=out, status=d.status,
+                               after_direct=d.after_direct)
         return out
 
+    def _capacity_C(self) -> cupy.ndarray:
+        """GEMM 2's output at capacity for the null sink (the unfused baselines), made on first use."""
+        if self._C is None:
+            self._C = cupy.empty((self.config.recv_rows_capacity, self.config.hidden), BF16)
+        return self._C
+
     @staticmethod
-    def _send_plan(d: DispatchResult):
-        """What the peer sink and the IPC push read: expert_offsets and src_info."""
-        return d.plan if d.plan is not None else _RowSources(d.expert_offsets, d.src_info, d.num_rows)
+    def _send_plan(d: DispatchResult, count_on_host: bool = False):
+        """What the peer sink and the IPC push read: expert_offsets and src_info, and for the
+        push (count_on_host) the row count, read from the device when the dispatch left it there."""
+        if d.plan is not None:
+            return d.plan
+        M = d.num_rows
+        if M is None and count_on_host:
+            M = int(cupy.asnumpy(d.expert_offsets[-1:])[0])
+        return _RowSources(d.expert_offsets, d.src_info, M)
 
     def forward(self, x, topk_idx, topk_weights, w13, w2=None, sink: str = "peer", dispatch: str = "direct",
                 out=None, check: bool | None = None):
@@ -558,18 +617,16 @@ class EPService:
             out = self.combiner.fused(self._act, w2, d, topk_idx, topk_weights, c.intermediate, out=out,
                                       status=d.status, armed=armed, after_direct=dispatch == "direct")
         elif dispatch == "nccl":  # the unfused layer over NCCL: GEMM 2 stores C, NCCL brings it home
-            if self._C is None:
-                self._C = cupy.empty((c.recv_rows_capacity, c.hidden), BF16)
-            gemm.run(fp8_stage.gemm2_specs("null", self._act, w2, self._C, d.expert_offsets, c.experts_per_rank,
+            C = self._capacity_C()
+            gemm.run(fp8_stage.gemm2_specs("null", self._act, w2, C, d.expert_offsets, c.experts_per_rank,
                                            c.hidden, c.intermediate, rows=topk_idx.size))
-            out = self.combiner.unfused_nccl(self._C, d, topk_idx, topk_weights, out=out)
+            out = self.combiner.unfused_nccl(C, d, topk_idx, topk_weights, out=out)
         else:  # the null sink after the direct dispatch: C pushed over IPC; it reads the row count
-            if self._C is None:
-                self._C = cupy.empty((c.recv_rows_capacity, c.hidden), BF16)
-            gemm.run(fp8_stage.gemm2_specs("null", self._act, w2, self._C, d.expert_offsets, c.experts_per_rank,
+            C = self._capacity_C()
+            gemm.run(fp8_stage.gemm2_specs("null", self._act, w2, C, d.expert_offsets, c.experts_per_rank,
                                            c.hidden, c.intermediate, rows=topk_idx.size))
             rows = _RowSources(d.expert_offsets, d.src_info, d.rows_received())
-            out = self.combiner.unfused(self._C, rows, topk_idx, topk_weights, out=out, status=d.status,
+            out = self.combiner.unfused(C, rows, topk_idx, topk_weights, out=out, status=d.status,
                                         after_direct=True)
         return out
 

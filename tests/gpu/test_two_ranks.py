@@ -5,6 +5,8 @@ two, with one GPU each:
   check_graph.py    forward captured in a CUDA graph, replayed with fresh inputs == eager bitwise (issue 13)
   check_fp8.py      FP8 experts: fused == unfused bitwise on every path, float64 FP8 reference, bad weights (issue 16)
   check_quantize_send.py  FP8: the direct dispatch quantizing in its send == quantize then dispatch, bitwise (issue 16)
+  check_dispatch_queued.py  dispatch(wait=False) == the waiting dispatch bitwise (bf16, FP8), expert_ffn on it
+                    == forward, and its failures through check()
   check_graph.py --fp8  the graph with FP8 experts
   check_replay.py   forward's replayed launches == launches built anew, bitwise, across token counts and weights (issue 13)
   check_replay.py --fp8  the same with FP8 experts
@@ -41,7 +43,8 @@ def run_job(job: str, share_gpu: bool):
 
 
 @pytest.mark.parametrize("job", ["check_combine.py", "check_service.py", "check_graph.py", "check_fp8.py",
-                                 "check_quantize_send.py", "check_graph.py --fp8", "check_replay.py", "check_replay.py --fp8"])
+                                 "check_quantize_send.py", "check_dispatch_queued.py", "check_graph.py --fp8",
+                                 "check_replay.py", "check_replay.py --fp8"])
 @pytest.mark.parametrize("share_gpu", [True, False], ids=["2-ranks-1-gpu", "2-ranks-2-gpus"])
 def test_job_passes_every_case(job, share_gpu):
     if not share_gpu and gpu_count() < 2:
