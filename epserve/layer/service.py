@@ -294,7 +294,8 @@ class EPService:
               after taking its part. Needs a dispatch planned on the device: "direct" (not
               across nodes with EPSERVE_OFFNODE_SIZES=host) or "nccl" where every rank has its
               own GPU; elsewhere ConfigError (on every rank alike: they share the placement).
-              In FP8 mode the direct dispatch quantizes in its move as with wait=True."""
+              After a PeerTimeoutError it refuses calls, as forward does. In FP8 mode the
+              direct dispatch quantizes in its move as with wait=True."""
         self._check_choice("dispatch transport", transport, DISPATCHES)
         if not wait:
             return self._dispatch_queued(x, topk_idx, topk_weights, transport)
@@ -321,6 +322,7 @@ class EPService:
 
     def _dispatch_queued(self, x, topk_idx, topk_weights, transport: str) -> DispatchResult:
         """dispatch(wait=False): the dispatcher's launches, queued; see dispatch."""
+        self._refuse_if_lost()  # as forward: nothing queued would find the peers in step
         if transport == "direct" and self.host_waits:
             raise ConfigError(f"{SIZES_ENV}=host: the direct dispatch reads each call's sizes on the host, so it "
                               f"cannot return without waiting; unset {SIZES_ENV} (capacity blocks) or wait")
@@ -505,9 +507,7 @@ class EPService:
         dispatch on a shared GPU) checks its inputs with an MPI verdict first.
         """
         check = self.check_errors if check is None else check
-        if self._lost is not None:
-            raise PeerTimeoutError(f"rank {self.rank}: this service lost a peer earlier ({self._lost}); close it "
-                                   "and start a new one on every rank")
+        self._refuse_if_lost()
         if dispatch == "nccl" and self.nccl_path is None:  # ranks share a GPU: NCCL cannot run
             return self._forward_baseline(x, topk_idx, topk_weights, w13, w2, sink, dispatch, out)
         self._refuse_host_wait_in_capture(dispatch)  # every rank captures alike: no stand-in, nothing queued
@@ -530,6 +530,12 @@ class EPService:
         if check:
             self._raise_pending()
         return out
+
+    def _refuse_if_lost(self) -> None:
+        """A service that lost a peer has its ranks' epochs out of step: it refuses calls."""
+        if self._lost is not None:
+            raise PeerTimeoutError(f"rank {self.rank}: this service lost a peer earlier ({self._lost}); close it "
+                                   "and start a new one on every rank")
 
     def _lose(self, exc: PeerTimeoutError) -> None:
         """This service cannot go on after exc: later calls are refused, naming it."""
