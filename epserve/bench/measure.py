@@ -54,8 +54,6 @@ from epserve.bench.wrong import bitwise_wrong, tolerance_wrong
 from epserve.comm.nccl import exchange_rows
 from epserve.ffn import gemm
 
-__all__ = ["bitwise_wrong", "tolerance_wrong"]  # #wrong's functions, for the callers that take them from here
-
 PATHS = ("gemm1", "gemm2", "fused", "unfused", "library", "dispatch-direct", "dispatch-layer", "dispatch-nccl",
          "alltoall",
          "layer-fused", "layer-unfused", "layer-library", "layer-torch")

@@ -38,7 +38,7 @@ from time_gemm_fp8 import DenseFp8  # launch/jobs/time_gemm_fp8.py
 
 from epserve.arrays import BF16
 from epserve.bench import arithmetic, power, presets
-from epserve.bench.measure import bitwise_wrong
+from epserve.bench.wrong import bitwise_wrong
 from epserve.check.fp8_reference import scale_ld
 from epserve.ffn import fp8, gemm, gemm_fp8
 from epserve.runtime import kernels
