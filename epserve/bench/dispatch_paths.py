@@ -45,7 +45,3 @@ class DispatchReference:
                 + bitwise_wrong(dispatcher.expert_offsets, self.expert_offsets)
                 + bitwise_wrong(dispatcher.src_info[:M], self.src_info))
 
-
-def in_layer(svc, x, topk_idx, topk_weights):
-    """dispatch-layer's call: the direct dispatch with no host wait, as forward runs it."""
-    return lambda: svc.dispatch(x, topk_idx, topk_weights, "direct", wait=False)

@@ -8,8 +8,8 @@ bf16 presets' path names, so the report and the baselines read them alike:
   unfused        FP8 GEMM 2 storing C + the transport + the reduction
   dispatch-direct the FP8 direct dispatch: packed rows, quantized inside its move kernel (the
                  public call, its host wait included)
-  dispatch-layer the same with no host wait (dispatch(wait=False)), calls queued back to back: the GPU's time
-                 (bench/dispatch_paths.py)
+  dispatch-layer the same with no host wait (dispatch(wait=False)), calls queued back to
+                 back: the GPU's time (bench/dispatch_paths.py)
   layer-fused    forward, direct dispatch, peer sink
   layer-unfused  forward, NCCL dispatch, null sink
   layer-library  the layer composed from libraries with cuBLASLt's block-scaled FP8 GEMM per
@@ -72,7 +72,10 @@ def measure_point_fp8(svc, w13, w2, fp8w, topk_all, seed: int, warmup: int, iter
     # The NCCL dispatch (or where ranks share a GPU the host-planned one) quantizes x in a
     # launch of its own: the reference of the direct dispatches, which quantize in their move.
     reference = dispatch_paths.DispatchReference(svc.dispatch(x, idx, w, "nccl"))
-    dispatch_layer = dispatch_paths.in_layer(svc, x, idx, w)
+
+    def dispatch_layer():  # the dispatch with no host wait, as forward runs it
+        svc.dispatch(x, idx, w, "direct", wait=False)
+
     dispatch_wrong = {"dispatch-direct": reference.wrong(svc.direct, lambda: svc.dispatch(x, idx, w, "direct")),
                       "dispatch-layer": reference.wrong(svc.direct, dispatch_layer)}
     del reference
