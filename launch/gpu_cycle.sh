@@ -19,6 +19,9 @@
 #   bash launch/gpu_cycle.sh fp8-race          # two GPUs, the FP8 GEMM's stage release fix, <= 8 min
 #   bash launch/gpu_cycle.sh sink-bulk         # GEMM 2's peer sink by bulk copies: its jobs, then the bench
 #                                              # with each sink build (the timing needs two GPUs), <= 8 min
+#   bash launch/gpu_cycle.sh fp8-x2            # two GPUs, issue 16's open questions in one call: the bench's
+#                                              # FP8 and bf16 presets with each sink build, the targets, the
+#                                              # FP8 stage-release race job, <= 9.5 min
 # bench runs one rank per GPU (on one GPU: one rank, no link); run, fuzz and soak take two
 # ranks, sharing the GPU where there is one.
 set -uo pipefail
@@ -168,11 +171,33 @@ sm__cycles_elapsed.avg.per_second,lts__t_sectors_op_read.sum,dram__bytes_read.su
                 keep=$((keep || status))
             done
             status=$keep ;;
+        # Issue 16 on two GPUs in one device call (notes/dispatch.md and notes/gemm.md, twentieth
+        # session): the bench with the shipped sink (FP8 and bf16 presets, prefill 4096 and decode
+        # 128: every target, the dispatch-layer ratio, #wrong bitwise), the prefill presets again
+        # with the bulk sink (its NVLink stores: fused and layer-fused against the first run, #wrong),
+        # the targets of each, then the FP8 stage-release race job; all within FP8_X2_BUDGET_S.
+        fp8-x2)
+            export NCCL_NVLS_ENABLE=0
+            deadline=$((SECONDS + ${FP8_X2_BUDGET_S:-560})) summary_lines=80
+            rows="^# (preset|  )|^  [a-z]|#wrong|Error|timed out"
+            for stores in warps bulk; do
+                if [ $stores = warps ]; then presets=dsv3-prefill-fp8,dsv3-prefill,dsv3-decode-fp8,dsv3-decode tokens=4096,128 t=$(within 215)
+                else presets=dsv3-prefill-fp8,dsv3-prefill tokens=4096 t=$(within 140); fi
+                stage "fp8-x2-bench-$stores" "$rows" timeout -k 10 "$t" env PYTHONPATH=. EPSERVE_SINK_STORES=$stores \
+                    python3 launch/run.py -n 2 --timeout $((t - 15)) -- python3 -m mpi4py -m epserve.bench \
+                    --presets $presets --routing balanced --tokens $tokens --iters 10 --warmup 3 --out "$out/fp8-x2-$stores"
+                stage "fp8-x2-targets-$stores" "^#|^  " env PYTHONPATH=. python3 -m epserve.bench.targets \
+                    "$out/fp8-x2-$stores/bench.json"
+            done
+            t=$(within 200)
+            stage fp8-x2-race "passed|failed|FAIL|wrong|differ|# |timed out" timeout -k 10 "$t" env PYTHONPATH=. \
+                python3 launch/run.py -n 2 --timeout $((t - 15)) -- python3 -m mpi4py launch/jobs/check_fp8_race.py
+            summary_lines=40 ;;
         # The two-GPU tests other than the across-nodes ones (review-x2 runs those), <= 9 min.
         tests-x2) export NCCL_NVLS_ENABLE=0
             stage tests-x2 "passed|failed|FAILED|SKIPPED|ERROR|timed out" timeout -k 10 540 env PYTHONPATH=. \
                 python3 -m pytest -m gpu tests -q -rs -k "2-gpus and not test_across_nodes" -p no:cacheprovider ;;
-        *) echo "unknown stage $s (test run timing bench fuzz soak sanitize profile profile-fp8 sustained layer review-x2 tests-x2 fp8-race sink-bulk)"; status=1 ;;
+        *) echo "unknown stage $s (test run timing bench fuzz soak sanitize profile profile-fp8 sustained layer review-x2 tests-x2 fp8-race sink-bulk fp8-x2)"; status=1 ;;
     esac
 done
 exit $status
