@@ -19,6 +19,7 @@ from __future__ import annotations
 import cupy
 
 from epserve.bench.wrong import bitwise_wrong
+from epserve.check.testing import poison
 
 
 class DispatchReference:
@@ -37,8 +38,7 @@ class DispatchReference:
         """Elements of dispatcher's buffers that differ from this reference after one call of
         run, with every element the call must write poisoned first. Waits for the GPU."""
         M = self.num_rows
-        for buf in (dispatcher.rows[:M], dispatcher.expert_offsets, dispatcher.src_info[:M]):
-            buf.view(f"u{buf.dtype.itemsize}").fill((1 << 8 * buf.dtype.itemsize) - 1)
+        poison(dispatcher.rows[:M], dispatcher.expert_offsets, dispatcher.src_info[:M])
         run()
         cupy.cuda.get_current_stream().synchronize()
         return (bitwise_wrong(dispatcher.rows[:M], self.rows)

@@ -19,6 +19,13 @@ def bf16_bits(a) -> np.ndarray:
     return cupy.asnumpy(a).view(np.uint16)
 
 
+def poison(*buffers) -> None:
+    """Every bit of each GPU array to one (NaN for floats, -1 for ints): a call that must
+    write every element is then checked on all of them, since no leftover matches by chance."""
+    for buf in buffers:
+        buf.view(f"u{buf.dtype.itemsize}").fill((1 << 8 * buf.dtype.itemsize) - 1)
+
+
 def routing(rng, tokens: int, num_experts: int, top_k: int, *, zipf: float = 0.0, unused: float = 0.0,
             experts=None) -> np.ndarray:
     """int32 [tokens, top_k]: distinct experts per token (from `experts`, default all),

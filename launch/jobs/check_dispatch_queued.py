@@ -28,7 +28,7 @@ from check_service import tokens_for  # siblings of this script
 from job_report import run_cases
 
 from epserve import EPService, MoEConfig, quantize_weights
-from epserve.check.testing import BF16, bf16_bits, layer_inputs
+from epserve.check.testing import BF16, bf16_bits, layer_inputs, poison
 from epserve.comm import mpi as ep_comm
 from epserve.errors import ConfigError, EPServeError, RankFailedError
 
@@ -41,10 +41,9 @@ SHAPES = [
 ]
 
 
-def poison(d) -> None:
+def poison_dispatcher(d) -> None:
     """Every element of a dispatcher's rows, expert_offsets and src_info to all ones."""
-    for buf in (d.rows, d.expert_offsets, d.src_info):
-        buf.view(f"u{buf.dtype.itemsize}").fill((1 << 8 * buf.dtype.itemsize) - 1)
+    poison(d.rows, d.expert_offsets, d.src_info)
 
 
 def host_copy(result, rows: int) -> tuple:
@@ -57,7 +56,7 @@ def queued_equals_waited(svc, dispatcher, transport: str, x, idx, w, label: str)
     failures = []
     waited = svc.dispatch(x, idx, w, transport)
     want = host_copy(waited, waited.num_rows)
-    poison(dispatcher)
+    poison_dispatcher(dispatcher)
     got = svc.dispatch(x, idx, w, transport, wait=False)
     if got.num_rows is not None:
         failures.append(f"{label}: num_rows is {got.num_rows}, not None")
@@ -81,7 +80,7 @@ def captured(svc, x, idx, w) -> list:
     stream.wait_event(cupy.cuda.get_current_stream().record())
     with stream:
         svc.dispatch(x, idx, w, "direct", wait=False)
-        poison(svc.direct)
+        poison_dispatcher(svc.direct)
         stream.begin_capture()
         try:
             got = svc.dispatch(x, idx, w, "direct", wait=False)
