@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from epserve.check import fp8_reference as f8
 from epserve.check.fp8_reference import BLOCK, E4M3, E4M3_MAX, MIN_AMAX, round_bf16, scale_ld
 from epserve.check.reference import silu
 
@@ -151,3 +152,15 @@ def outside_act_bounds(bounds: dict, act_q, act_scales) -> dict:
     where = tuple(int(i) for i in np.argwhere(bad)[0]) if bad.any() else None
     return {"codes": int(bad.sum()), "scales": int(bad_s.sum()), "first": where,
             "ambiguous": float((bounds["act_q_lo"] != bounds["act_q_hi"]).mean()) if q.size else 0.0}
+
+
+def act_outside_chain(a_q, a_scales, expert_offsets, w13_q, w13_scales, act_q, act_scales) -> dict:
+    """outside_act_bounds of a kernel's act (e4m3 [M, I], scales [I / 128, >= M]) against the
+    intervals from exact h +- the accumulator's bound (wgmma_error_bound), for GEMM 1 + SwiGLU
+    on a_q [M, H] with w13 [E, 2I, H] and their scales: the rigorous check of act's codes."""
+    offsets = np.asarray(expert_offsets).astype(np.int64)
+    a = f8.dequantize_rows(a_q, a_scales)
+    w13 = f8.dequantize_blocks(w13_q, w13_scales)
+    h = np.concatenate([a[offsets[e]:offsets[e + 1]] @ w13[e].T for e in range(len(offsets) - 1)])
+    eps = wgmma_error_bound(a_q, a_scales, offsets, w13_q, w13_scales)
+    return outside_act_bounds(act_bounds(h - eps, h + eps), act_q, act_scales)

@@ -40,3 +40,26 @@ def reference_layer_fp8(xs, topk_idxs, topk_weights, fp8_weights, num_experts):
         layers.append({"expert_offsets": plan.expert_offsets, "src_info": plan.src_info, "a_q": a_q,
                        "a_scales": a_s, **ffn})
     return combine_layers(layers, [x.astype(np.float64) for x in xs], topk_idxs, topk_weights)
+
+
+def finish_from_act(layers, acts, fp8_weights, xs, topk_idxs, topk_weights):
+    """The chain after GEMM 1 from given act codes: per rank r, acts[r] = (act_q [M_r, I]
+    float8_e4m3fn, act_scales [I / 128, >= M_r]) in place of the chain's own requantized act
+    (a kernel's, checked against fp8_bounds.act_outside_chain first), then GEMM 2 in float64 on
+    the chain's weights and the chain's combine. Why (epserve/check/fp8_bounds.py): Hopper's
+    FP8 accumulation moves about 1% of act's e4m3 codes a whole step from the float64 chain's,
+    which can take a small layer's output past 1e-2 of the whole chain though every code is
+    inside its interval; from the same codes, the rest of the layer sits within its bf16
+    roundings. Returns new per-rank dicts with src_info, y, recv and out."""
+    finished = []
+    for layer, (act_q, act_scales), (_, _, w2_q, w2_s) in zip(layers, acts, fp8_weights):
+        offsets = np.asarray(layer["expert_offsets"]).astype(np.int64)
+        act = f8.dequantize_rows(act_q, act_scales)
+        w2 = f8.dequantize_blocks(w2_q, w2_s)
+        y = np.zeros((act.shape[0], w2.shape[1]))
+        for e in range(len(offsets) - 1):
+            y[offsets[e]:offsets[e + 1]] = act[offsets[e]:offsets[e + 1]] @ w2[e].T
+        finished.append({"src_info": layer["src_info"], "y": y})
+    return combine_layers(finished, [np.asarray(x).astype(np.float64) for x in xs],
+                          [np.asarray(i).astype(np.int64) for i in topk_idxs],
+                          [np.asarray(w).astype(np.float64) for w in topk_weights])

@@ -7,7 +7,9 @@
 Every rank builds case i from (S, i) alone, so all ranks agree on it without a message. Per
 case: forward fused (peer sink, direct dispatch) and unfused (null sink, NCCL dispatch) into
 NaN-poisoned outputs; they must be bitwise equal, fully written, and within 1e-2 of the
-float64 reference. A failing case prints `FAIL case I: <what> -- replay: <command>` (rank 0)
+float64 reference (FP8: every rank's act codes, as GEMM 1 computes them on the reference's
+rows, inside the float64 chain's intervals, and the output within 1e-2 of the chain finished
+from those codes; fp8_reference_failures says why). A failing case prints `FAIL case I: <what> -- replay: <command>` (rank 0)
 and the run goes on, except after an error from outside epserve (a CUDA fault), which may
 leave the GPU unusable and ends the run. Ends with `# fuzz: N cases, K wrong` and a `RESULT`
 line per rank; exits 1 if K > 0 or the run ended early, 2 on a refused setting.
@@ -31,13 +33,16 @@ import numpy as np
 from job_report import report  # a sibling of this script
 
 from epserve import EPService, quantize_weights
-from epserve.check.fp8_layer_reference import quantized_weights, reference_layer_fp8
+from epserve.check import fp8_bounds
+from epserve.check.fp8_layer_reference import finish_from_act, quantized_weights, reference_layer_fp8
+from epserve.check.fp8_reference import E4M3, scale_ld
 from epserve.check.fuzz import WAIT_TIMEOUT_S, generate
 from epserve.check.reference import reference_layer, rel_error
 from epserve.check.testing import BF16, bf16_bits
 from epserve.comm import mpi as ep_comm
 from epserve.comm.nccl import gpus_shared
 from epserve.errors import EPServeError
+from epserve.ffn import gemm_fp8
 
 # Services kept open for reuse by later cases of the same config; each holds symmetric
 # buffers of up to tens of MiB, so the least recently used one is closed past this count.
@@ -98,14 +103,57 @@ def run_case(svc, case, rank) -> list[str]:
         failures.append(f"fused != unfused bitwise ({differ} of {T * H} elements)")
     if T:
         routing = [i.x for i in inputs], [i.topk_idx for i in inputs], [i.topk_weights for i in inputs]
-        if case.expert_dtype == "fp8":  # the float64 chain on the same quantized weights
-            weights = [quantized_weights(i.w13, i.w2) for i in inputs]
-            ref = reference_layer_fp8(*routing, weights, case.num_experts)[rank]
+        got = cupy.asnumpy(fused).astype(np.float64)
+        if case.expert_dtype == "fp8":
+            failures += fp8_reference_failures(case, routing, [quantized_weights(i.w13, i.w2) for i in inputs], got,
+                                               rank)
         else:
             ref = reference_layer(*routing, [i.w13 for i in inputs], [i.w2 for i in inputs], case.num_experts)[rank]
-        err = rel_error(cupy.asnumpy(fused).astype(np.float64), ref["out"])
-        if not err < REL_ERROR_LIMIT:
-            failures.append(f"relative error {err:.3g} vs the float64 reference (limit {REL_ERROR_LIMIT:g})")
+            err = rel_error(got, ref["out"])
+            if not err < REL_ERROR_LIMIT:
+                failures.append(f"relative error {err:.3g} vs the float64 reference (limit {REL_ERROR_LIMIT:g})")
+    return failures
+
+
+def gemm1_act(layer, weights, num_experts: int, intermediate: int):
+    """GEMM 1 + SwiGLU + act's quantization on the GPU, on the float64 chain's own quantized
+    rows of one rank (bit for bit the rows its dispatch moves) and weights: act (e4m3 [M, I]) and
+    act_scales as NumPy arrays, what that rank's forward fed GEMM 2."""
+    w13_q, w13_s = weights[:2]
+    M, H = layer["a_q"].shape
+    act = cupy.full((M, intermediate), 0x7F, np.uint8)  # e4m3 NaN: a code the kernel fails to write shows
+    act_s = cupy.full((intermediate // 128, scale_ld(M)), np.nan, np.float32)
+    gemm_fp8.gemm1_swiglu_fp8(cupy.asarray(layer["a_q"].view(np.uint8)), cupy.asarray(layer["a_scales"]),
+                              cupy.asarray(w13_q.view(np.uint8)), cupy.asarray(w13_s), act, act_s,
+                              cupy.asarray(np.asarray(layer["expert_offsets"]).astype(np.int32)), num_experts,
+                              intermediate, H)
+    return cupy.asnumpy(act).view(E4M3), cupy.asnumpy(act_s)
+
+
+def fp8_reference_failures(case, routing, weights, got, rank) -> list[str]:
+    """The FP8 layer's oracle in two parts (epserve/check/fp8_layer_reference.py,
+    finish_from_act, says why not the whole float64 chain at 1e-2 alone): every rank's act
+    codes and scales, as GEMM 1 computes them from the chain's rows, inside the intervals of
+    the float64 chain (fp8_bounds.act_outside_chain); then this rank's output within 1e-2 of
+    the chain finished from those codes. The whole chain's error is named beside a failure."""
+    chain = reference_layer_fp8(*routing, weights, case.num_experts)
+    e_loc, I = case.num_experts // case.world_size, case.intermediate
+    failures, acts = [], []
+    for owner, (layer, w) in enumerate(zip(chain, weights)):
+        if layer["a_q"].shape[0] == 0:
+            acts.append((np.zeros((0, I), E4M3), np.zeros((I // 128, 4), np.float32)))
+            continue
+        act_q, act_s = gemm1_act(layer, w, e_loc, I)
+        outside = fp8_bounds.act_outside_chain(layer["a_q"], layer["a_scales"], layer["expert_offsets"], *w[:2],
+                                               act_q, act_s)
+        if outside["codes"] or outside["scales"]:
+            failures.append(f"rank {owner}'s act outside the float64 chain's intervals: {outside}")
+        acts.append((act_q, act_s))
+    whole = rel_error(got, chain[rank]["out"])
+    err = rel_error(got, finish_from_act(chain, acts, weights, *routing)[rank]["out"])
+    if not err < REL_ERROR_LIMIT:
+        failures.append(f"relative error {err:.3g} vs the float64 chain from GEMM 1's act codes (limit "
+                        f"{REL_ERROR_LIMIT:g}; {whole:.3g} vs the whole chain)")
     return failures
 
 

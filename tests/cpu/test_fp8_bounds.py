@@ -10,6 +10,7 @@ import pytest
 
 from epserve.check import fp8_bounds as fb
 from epserve.check import fp8_reference as f8
+from epserve.check.fp8_kernel_model import kernel_act, kernel_h
 from epserve.check.reference import silu
 from epserve.check.testing import BF16
 
@@ -22,47 +23,6 @@ def _inputs(rows, H, I, seed):
     a_q, a_s = f8.quantize_rows(x)
     w_q, w_s = f8.quantize_blocks(w13)
     return a_q, a_s, w_q, w_s, np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
-
-
-def _aligned_sum(terms, bits):
-    """Hopper's FP8 accumulation as modelled: terms [..., n] aligned to the largest exponent
-    among them, truncated to `bits` fraction bits below it, summed exactly, held in fp32."""
-    largest = np.abs(terms).max(-1)
-    unit = 2.0 ** (np.floor(np.log2(np.where(largest > 0, largest, 1.0))) - bits)
-    return (np.trunc(terms / unit[..., None]) * unit[..., None]).sum(-1).astype(np.float32).astype(np.float64)
-
-
-def _kernel_h(a_q, a_s, w_q, w_s, offsets, bits):
-    """GEMM 1's fp32 h as the kernel computes it: per k-block, four k32 instructions into a
-    fresh part (exact fp32 sums when bits is None), then sum = fma(part, sa * sb, sum)."""
-    a, w = a_q.astype(np.float64), w_q.astype(np.float64)
-    M, K = a.shape
-    E, N, _ = w.shape
-    h = np.zeros((M, N), np.float32)
-    for e in range(E):
-        r0, r1 = offsets[e], offsets[e + 1]
-        s = np.zeros((r1 - r0, N), np.float32)
-        for kb in range(K // 128):
-            ab, wb = a[r0:r1, kb * 128:(kb + 1) * 128], w[e, :, kb * 128:(kb + 1) * 128]
-            if bits is None:
-                part = (ab @ wb.T).astype(np.float32).astype(np.float64)
-            else:
-                part = np.zeros((r1 - r0, N))
-                for j in range(4):
-                    prods = ab[:, None, j * 32:(j + 1) * 32] * wb[None, :, j * 32:(j + 1) * 32]
-                    part = _aligned_sum(np.concatenate([prods, part[..., None]], -1), bits)
-            scale = a_s[kb, r0:r1].astype(np.float32)[:, None] * np.repeat(w_s[e, :, kb], 128)[None, :]
-            s = (part * scale.astype(np.float64) + s).astype(np.float32)  # one fma (double rounding: rare)
-        h[r0:r1] = s
-    return h
-
-
-def _kernel_act(h32, I):
-    """The epilogue: gate and up to bf16, silu(g) * u in fp32 to bf16, quantized 1 x 128."""
-    g = h32[:, :I].astype(BF16).astype(np.float32)
-    u = h32[:, I:].astype(BF16).astype(np.float32)
-    act = ((g / (np.float32(1) + np.exp(-g))) * u).astype(BF16)
-    return f8.quantize_rows(act)
 
 
 def _exact_h(a_q, a_s, w_q, w_s, offsets):
@@ -81,8 +41,8 @@ def test_a_modelled_kernel_stays_inside_the_bounds(bits):
     a_q, a_s, w_q, w_s, offsets = _inputs(rows, H, I, seed=5)
     h_exact = _exact_h(a_q, a_s, w_q, w_s, offsets)
     eps = fb.wgmma_error_bound(a_q, a_s, offsets, w_q, w_s)
-    h32 = _kernel_h(a_q, a_s, w_q, w_s, offsets, bits)
-    q, s = _kernel_act(h32, I)
+    h32 = kernel_h(a_q, a_s, w_q, w_s, offsets, bits)
+    q, s = kernel_act(h32, I)
     out = fb.outside_act_bounds(fb.act_bounds(h_exact - eps, h_exact + eps), q, s)
     if bits in (None, 13):  # the bound's model, or better
         assert (np.abs(h32 - h_exact) <= eps).all()
@@ -103,7 +63,7 @@ def test_the_first_gpu_runs_share_is_the_truncating_accumulators():
     ref = f8.quantize_rows(f8.round_bf16(silu(h[:, :I]) * h[:, I:]))[0]
     shares = {}
     for bits in (None, 13):
-        q, _ = _kernel_act(_kernel_h(a_q, a_s, w_q, w_s, offsets, bits), I)
+        q, _ = kernel_act(kernel_h(a_q, a_s, w_q, w_s, offsets, bits), I)
         shares[bits] = float((q.view(np.uint8) != ref.view(np.uint8)).mean())
     assert shares[None] < 1e-3 and 0.008 < shares[13] < 0.015, shares
 
@@ -115,8 +75,8 @@ def test_a_wrong_scale_or_a_swapped_row_leaves_the_bounds():
     under a tenth of it) and still catch the swap."""
     rows, H, I = [50, 70], 128, 256
     a_q, a_s, w_q, w_s, offsets = _inputs(rows, H, I, seed=9)
-    h32 = _kernel_h(a_q, a_s, w_q, w_s, offsets, 13)
-    q, s = _kernel_act(h32, I)
+    h32 = kernel_h(a_q, a_s, w_q, w_s, offsets, 13)
+    q, s = kernel_act(h32, I)
     tight = fb.act_bounds(h32.astype(np.float64), h32.astype(np.float64))
     assert fb.outside_act_bounds(tight, q, s)["codes"] == 0
     s_bad = s.copy()
@@ -159,3 +119,91 @@ def test_fuzz_draws_fp8_cases_with_whole_scale_blocks():
     fp8 = [c for c in cases if c.expert_dtype == "fp8"]
     assert 20 < len(fp8) < 120
     assert all(c.hidden % 128 == 0 and c.intermediate % 128 == 0 and c.config().expert_dtype == "fp8" for c in fp8)
+
+
+def _modelled_layer(chain, weights, routing, bits=13, act_scale_factor=None):
+    """Every rank's act codes and output as the kernels compute them (the accumulator model in
+    both GEMMs, y and out rounded to bf16, the reduction in fp32, used slots in order). With
+    act_scale_factor, rank 0's first row's act scales are multiplied by it (a fault)."""
+    from epserve.check.reference import unpack_src_info
+
+    _, idxs, ws = routing
+    acts, ys = [], []
+    for r, (layer, (w13_q, w13_s, w2_q, w2_s)) in enumerate(zip(chain, weights)):
+        M, I = layer["a_q"].shape[0], w2_q.shape[2]
+        offsets = np.asarray(layer["expert_offsets"]).astype(np.int64)
+        act_q, act_s = kernel_act(kernel_h(layer["a_q"], layer["a_scales"], w13_q, w13_s, offsets, bits), I)
+        if act_scale_factor is not None and r == 0:
+            act_s[:, 0] *= act_scale_factor
+        acts.append((act_q, act_s))
+        y = kernel_h(act_q, act_s, w2_q, w2_s, offsets, bits) if M else np.zeros((0, w2_q.shape[1]))
+        ys.append(y.astype(BF16).astype(np.float32))
+    outs = []
+    for home, (idx, w) in enumerate(zip(idxs, ws)):
+        recv = np.zeros((*idx.shape, ys[0].shape[1]), np.float32)
+        for layer, y in zip(chain, ys):
+            src, token, slot = unpack_src_info(layer["src_info"])
+            rows = src == home
+            recv[token[rows], slot[rows]] = y[rows]
+        out = np.zeros((idx.shape[0], recv.shape[2]), np.float32)
+        for j in range(idx.shape[1]):
+            used = (idx[:, j] >= 0)[:, None]
+            out = np.where(used, out + np.float32(w[:, j, None]) * recv[:, j], out).astype(np.float32)
+        outs.append(out.astype(BF16).astype(np.float64))
+    return acts, outs
+
+
+def _fuzz_case(index, seed=2112):
+    from epserve.check.fp8_layer_reference import quantized_weights, reference_layer_fp8
+    from epserve.check.fuzz import generate
+
+    case = generate(seed, index, 2)
+    assert case.expert_dtype == "fp8", case.describe()
+    inputs = case.inputs()
+    routing = [i.x for i in inputs], [i.topk_idx for i in inputs], [i.topk_weights for i in inputs]
+    weights = [quantized_weights(i.w13, i.w2) for i in inputs]
+    return routing, weights, reference_layer_fp8(*routing, weights, case.num_experts)
+
+
+@pytest.mark.parametrize("index", [80, 305, 327])
+def test_a_small_modelled_layer_is_checked_from_its_own_act_codes(index):
+    """The fuzz cases (seed 2112) whose H200 output sat 1.01-1.4% from the whole float64 chain:
+    the modelled kernel's act codes are inside the chain's intervals, and its output is within
+    its bf16 roundings (under 0.5%) of the chain finished from those codes, as the fuzz checks."""
+    from epserve.check.fp8_layer_reference import finish_from_act
+    from epserve.check.reference import rel_error
+
+    routing, weights, chain = _fuzz_case(index)
+    acts, outs = _modelled_layer(chain, weights, routing)
+    for layer, w, (q, s) in zip(chain, weights, acts):
+        if q.shape[0]:
+            outside = fb.act_outside_chain(layer["a_q"], layer["a_scales"], layer["expert_offsets"], *w[:2], q, s)
+            assert outside["codes"] == 0 and outside["scales"] == 0, outside
+    finished = finish_from_act(chain, acts, weights, *routing)
+    for r, out in enumerate(outs):
+        if out.size:
+            assert rel_error(out, finished[r]["out"]) < 5e-3
+
+
+def test_the_two_fp8_layer_checks_fail_on_faults():
+    """A wrong act scale leaves the chain's intervals; a token that sums another slot's row
+    leaves 1e-2 of the chain finished from the (right) act codes."""
+    from epserve.check.fp8_layer_reference import finish_from_act
+    from epserve.check.reference import rel_error
+
+    routing, weights, chain = _fuzz_case(327)
+    acts, _ = _modelled_layer(chain, weights, routing, act_scale_factor=1.25)
+    q, s = acts[0]
+    outside = fb.act_outside_chain(chain[0]["a_q"], chain[0]["a_scales"], chain[0]["expert_offsets"], *weights[0][:2],
+                                   q, s)
+    assert outside["scales"] > 0
+
+    acts, outs = _modelled_layer(chain, weights, routing)
+    finished = finish_from_act(chain, acts, weights, *routing)
+    idx, w = routing[1][1], routing[2][1]
+    t, j = (int(v) for v in np.argwhere(idx >= 0)[0])
+    other = next(q for q in range(idx.shape[1]) if q != j and idx[t, q] >= 0)
+    recv = np.nan_to_num(chain[1]["recv"])
+    wrong = outs[1].copy()
+    wrong[t] += float(w[t, j]) * (recv[t, other] - recv[t, j])
+    assert rel_error(outs[1], finished[1]["out"]) < 5e-3 and rel_error(wrong, finished[1]["out"]) > 1e-2
