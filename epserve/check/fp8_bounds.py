@@ -158,9 +158,7 @@ def act_outside_chain(a_q, a_scales, expert_offsets, w13_q, w13_scales, act_q, a
     """outside_act_bounds of a kernel's act (e4m3 [M, I], scales [I / 128, >= M]) against the
     intervals from exact h +- the accumulator's bound (wgmma_error_bound), for GEMM 1 + SwiGLU
     on a_q [M, H] with w13 [E, 2I, H] and their scales: the rigorous check of act's codes."""
-    offsets = np.asarray(expert_offsets).astype(np.int64)
-    a = f8.dequantize_rows(a_q, a_scales)
-    w13 = f8.dequantize_blocks(w13_q, w13_scales)
-    h = np.concatenate([a[offsets[e]:offsets[e + 1]] @ w13[e].T for e in range(len(offsets) - 1)])
-    eps = wgmma_error_bound(a_q, a_scales, offsets, w13_q, w13_scales)
+    h = f8.grouped_matmul(f8.dequantize_rows(a_q, a_scales), expert_offsets,
+                          f8.dequantize_blocks(w13_q, w13_scales))
+    eps = wgmma_error_bound(a_q, a_scales, expert_offsets, w13_q, w13_scales)
     return outside_act_bounds(act_bounds(h - eps, h + eps), act_q, act_scales)

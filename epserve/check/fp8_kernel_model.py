@@ -1,5 +1,5 @@
 """NumPy models of the FP8 kernels' arithmetic, for the CPU tests of the FP8 oracles
-(tests/cpu/test_fp8_bounds.py, tests/cpu/test_fp8_layer_bounds.py): Hopper's FP8 wgmma
+(tests/cpu/test_fp8_bounds.py): Hopper's FP8 wgmma
 accumulation as published (terms of one k32 instruction aligned to the largest exponent,
 `bits` fraction bits kept, truncated; None: exact fp32 sums), the kernel's promotion per
 k-block, and GEMM 1's epilogue with its rounding points."""

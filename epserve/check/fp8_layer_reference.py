@@ -53,12 +53,8 @@ def finish_from_act(layers, acts, fp8_weights, xs, topk_idxs, topk_weights):
     roundings. Returns new per-rank dicts with src_info, y, recv and out."""
     finished = []
     for layer, (act_q, act_scales), (_, _, w2_q, w2_s) in zip(layers, acts, fp8_weights):
-        offsets = np.asarray(layer["expert_offsets"]).astype(np.int64)
-        act = f8.dequantize_rows(act_q, act_scales)
-        w2 = f8.dequantize_blocks(w2_q, w2_s)
-        y = np.zeros((act.shape[0], w2.shape[1]))
-        for e in range(len(offsets) - 1):
-            y[offsets[e]:offsets[e + 1]] = act[offsets[e]:offsets[e + 1]] @ w2[e].T
+        y = f8.grouped_matmul(f8.dequantize_rows(act_q, act_scales), layer["expert_offsets"],
+                              f8.dequantize_blocks(w2_q, w2_s))
         finished.append({"src_info": layer["src_info"], "y": y})
     return combine_layers(finished, [np.asarray(x).astype(np.float64) for x in xs],
                           [np.asarray(i).astype(np.int64) for i in topk_idxs],

@@ -109,6 +109,16 @@ def round_bf16(x) -> np.ndarray:
     return np.asarray(x, np.float64).astype(np.float32).astype(BF16).astype(np.float64)
 
 
+def grouped_matmul(x, expert_offsets, w) -> np.ndarray:
+    """Rows [offsets[e], offsets[e + 1]) of x [M, K] times w[e]^T ([E, N, K]), per expert, in
+    float64: the chain's grouped GEMM on dequantized operands."""
+    offsets = np.asarray(expert_offsets).astype(np.int64)
+    out = np.zeros((x.shape[0], w.shape[1]))
+    for e in range(len(offsets) - 1):
+        out[offsets[e]:offsets[e + 1]] = x[offsets[e]:offsets[e + 1]] @ w[e].T
+    return out
+
+
 def reference_ffn_fp8(a_q, a_scales, expert_offsets, w13_q, w13_scales, w2_q, w2_scales) -> dict:
     """The expert FFN of one rank on quantized inputs, in float64. M rows, expert-contiguous
     by expert_offsets [E + 1]; a_q [M, H] with a_scales [H / 128, ld]; w13_q [E, 2I, H], w2_q
@@ -123,19 +133,14 @@ def reference_ffn_fp8(a_q, a_scales, expert_offsets, w13_q, w13_scales, w2_q, w2
     a = dequantize_rows(a_q, a_scales)
     w13 = dequantize_blocks(w13_q, w13_scales)
     w2 = dequantize_blocks(w2_q, w2_scales)
-    E, two_i, H = w13.shape
+    E, two_i, _ = w13.shape
     I = two_i // 2
     M = a.shape[0]
     if offsets.shape != (E + 1,) or offsets[0] != 0 or offsets[-1] != M or (np.diff(offsets) < 0).any():
         raise ValueError(f"expert_offsets must rise from 0 to M = {M} over {E} experts; got {offsets}")
-    h = np.zeros((M, two_i))
-    for e in range(E):
-        h[offsets[e]:offsets[e + 1]] = a[offsets[e]:offsets[e + 1]] @ w13[e].T
-    h = round_bf16(h)
+    h = round_bf16(grouped_matmul(a, offsets, w13))
     act = round_bf16(silu(h[:, :I]) * h[:, I:])
     act_q, act_scales = quantize_rows(act, ld=scale_ld(M))
     act_deq = dequantize_rows(act_q, act_scales)
-    y = np.zeros((M, H))
-    for e in range(E):
-        y[offsets[e]:offsets[e + 1]] = act_deq[offsets[e]:offsets[e + 1]] @ w2[e].T
+    y = grouped_matmul(act_deq, offsets, w2)
     return {"h": h, "act": act, "act_q": act_q, "act_scales": act_scales, "y": y}

@@ -9,10 +9,11 @@ case: forward fused (peer sink, direct dispatch) and unfused (null sink, NCCL di
 NaN-poisoned outputs; they must be bitwise equal, fully written, and within 1e-2 of the
 float64 reference (FP8: every rank's act codes, as GEMM 1 computes them on the reference's
 rows, inside the float64 chain's intervals, and the output within 1e-2 of the chain finished
-from those codes; fp8_reference_failures says why). A failing case prints `FAIL case I: <what> -- replay: <command>` (rank 0)
-and the run goes on, except after an error from outside epserve (a CUDA fault), which may
-leave the GPU unusable and ends the run. Ends with `# fuzz: N cases, K wrong` and a `RESULT`
-line per rank; exits 1 if K > 0 or the run ended early, 2 on a refused setting.
+from those codes; fp8_reference_failures says why). A failing case prints
+`FAIL case I: <what> -- replay: <command>` (rank 0) and the run goes on, except after an
+error from outside epserve (a CUDA fault), which may leave the GPU unusable and ends the run.
+Ends with `# fuzz: N cases, K wrong` and a `RESULT` line per rank; exits 1 if K > 0 or the
+run ended early, 2 on a refused setting.
 
 Ranks sharing a GPU run the unfused baseline over the IPC copy, since NCCL refuses two ranks
 on one device; the job stops unless --share-gpu-ok says that baseline is what is wanted.
