@@ -152,16 +152,20 @@ def main(argv=None) -> int:
             if fp8_rates is None:
                 from mpi4py import MPI
 
-                mine = limits.fp8_gemm_rates()  # the same names on every rank, 0 where unreachable
-                dense = {name: comm.allreduce(mine.get(name, 0.0), op=MPI.MIN) for name in ("ours", "cuBLASLt")}
+                mine = limits.fp8_gemm_rates()  # the same names on every rank, absent where unreachable
+                dense = {name: comm.allreduce(mine.get(name, (0.0, None))[0], op=MPI.MIN)
+                         for name in ("ours", "cuBLASLt")}
                 dense = {name: r for name, r in dense.items() if r > 0}
+                clocks = comm.allgather({name: mhz for name, (_, mhz) in mine.items()})  # by rank
                 best = max(dense, key=dense.get)
                 fp8_rates = dataclasses.replace(rates, gemm_flop_s=dense[best])
+                info["fp8_dense"] = {name: {"tflop_s": r / 1e12, "sm_mhz": [c.get(name) for c in clocks]}
+                                     for name, r in dense.items()}
                 if rank == 0:
-                    told = ", ".join(f"{name} {r / 1e12:.1f}" for name, r in dense.items())
-                    print(f"# FP8 dense GEMM, 8192^3, 1 x 128 and 128 x 128 scales, slowest rank: {told} TFLOP/s; "
-                          f"the -fp8 presets' GEMM shares use the faster ({best})"
-                          + ("" if "cuBLASLt" in dense else f"; cuBLASLt: {cublaslt.unavailable()}"), flush=True)
+                    print(f"# FP8 dense GEMM limit, 8192^3 with 1 x 128 and 128 x 128 scales, slowest rank: "
+                          f"{report.fp8_dense_text(info['fp8_dense'])}; the -fp8 presets' GEMM shares use the faster "
+                          f"({best})" + ("" if "cuBLASLt" in dense else f"; cuBLASLt: {cublaslt.unavailable()}"),
+                          flush=True)
             point_rates = fp8_rates
         jobs = [(routing, T) for routing in routings for T in points]
         for routing, T in progress(jobs, rank=rank, label=lambda j: f"{preset.name} {j[0].label} T={j[1]}"):
@@ -174,13 +178,14 @@ def main(argv=None) -> int:
                 if rank == 0:  # reported, not asserted: what FP8 costs against the bf16 layer
                     print(f"# {at.name} {routing.label} T={T}: FP8 layer vs bf16 layer, relative error {err:.4f}",
                           flush=True)
-            gathered = comm.gather([r.samples_ms for r in results], root=0)
+            gathered = comm.gather([(r.samples_ms, r.sm_mhz) for r in results], root=0)
             if rank == 0:
-                slowest = slowest_rank([{r.path: ms for r, ms in zip(results, g)} for g in gathered])
+                slowest = slowest_rank([{r.path: ms for r, (ms, _) in zip(results, g)} for g in gathered])
                 for n, r in enumerate(results):
                     rows.append(measured_row(at, routing, r.path, slowest[r.path], r.work, point_rates,
-                                             per_rank_ms=[g[n] for g in gathered], wrong=r.wrong,
-                                             host_waits=r.host_waits, mpi_calls=r.mpi_calls))
+                                             per_rank_ms=[g[n][0] for g in gathered], wrong=r.wrong,
+                                             host_waits=r.host_waits, mpi_calls=r.mpi_calls,
+                                             per_rank_mhz=[g[n][1] for g in gathered]))
         del w13, w2, fp8w
         svc.close()
     if rank != 0:

@@ -22,12 +22,14 @@ def gemm_rate(n: int = 8192) -> float:
     return 2.0 * n**3 / (ms / 1e3)
 
 
-def fp8_gemm_rates(n: int = 8192) -> dict[str, float]:
+def fp8_gemm_rates(n: int = 8192) -> dict[str, tuple[float, float]]:
     """Dense FP8 GEMM rates on one n^3 problem with DeepSeek-V3's scales (1 x 128 for A, 128 x
     128 for B), by name: "ours" (the block-scaled e4m3 wgmma kernel GEMM 2 runs) and
-    "cuBLASLt" (its block-scaled FP8 GEMM, where reachable: epserve.bench.cublaslt). The
-    faster is the FP8 limit the FP8 rows are rated against, as cuBLAS's bf16 GEMM is for bf16."""
+    "cuBLASLt" (its block-scaled FP8 GEMM, where reachable: epserve.bench.cublaslt), each as
+    (FLOP/s, the SM clock in MHz right after its timing: bench/clock.py). The faster is the FP8
+    limit the FP8 rows are rated against, as cuBLAS's bf16 GEMM is for bf16."""
     from epserve.bench import cublaslt
+    from epserve.bench.clock import SmClock
     from epserve.ffn import fp8, gemm_fp8
 
     a = cupy.random.standard_normal((n, n), dtype=np.float32).astype(BF16)
@@ -40,7 +42,11 @@ def fp8_gemm_rates(n: int = 8192) -> dict[str, float]:
     if cublaslt.unavailable() is None:
         runs["cuBLASLt"] = lambda: cublaslt.gemm_fp8_nt(a_q.data.ptr, a_s.data.ptr, b_q.data.ptr, b_s.data.ptr,
                                                         c.data.ptr, n, n, n)
-    return {name: 2.0 * n**3 / (median_ms(run) / 1e3) for name, run in runs.items()}
+    clock, rates = SmClock(), {}
+    for name, run in runs.items():
+        flop_s = 2.0 * n**3 / (median_ms(run) / 1e3)
+        rates[name] = (flop_s, clock.mhz())
+    return rates
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:

@@ -46,6 +46,7 @@ import numpy as np
 
 from epserve.arrays import BF16
 from epserve.bench import arithmetic, dispatch_paths
+from epserve.bench.clock import SmClock
 from epserve.bench.cublas import grouped_gemm_per_expert
 from epserve.bench.events import queued_samples_ms, samples_ms
 from epserve.bench.host_calls import counting
@@ -96,6 +97,7 @@ class PathResult:
     wrong: int | None      # elements that disagree with the path's reference, None if it has none
     host_waits: int | None = None  # per call, counted (host_calls.py)
     mpi_calls: int | None = None
+    sm_mhz: float | None = None  # this rank's SM clock right after the timed iterations (clock.py)
 
 
 def dispatch_work(counts, hidden: int, dedup: bool) -> arithmetic.Work:
@@ -191,7 +193,7 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
     if torch_layer is not None:
         runs["layer-torch"] = lambda: torch_layer.forward(x, idx, w, w13, w2, outs["layer-torch"])
     paths = [p for p in PATHS if p in runs]
-    samples, calls = time_paths(comm, runs, paths, warmup, iters)
+    samples, calls, clocks = time_paths(comm, runs, paths, warmup, iters)
     svc.check()
 
     wrong = {
@@ -226,7 +228,7 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
         "layer-torch": arithmetic.layer_work(counts, H, I, dedup_dispatch=False),
     }
     return [PathResult(p, samples[p], work[p], None if wrong[p] is None else comm.allreduce(wrong[p]),
-                       *_busiest_rank(comm, calls[p]))
+                       *_busiest_rank(comm, calls[p]), sm_mhz=clocks[p])
             for p in paths]
 
 
@@ -235,19 +237,22 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
 QUEUED = ("dispatch-layer",)
 
 
-def time_paths(comm, runs, paths, warmup: int, iters: int) -> tuple[dict, dict]:
-    """Each path's samples (every rank starting together) and the host waits and MPI calls
-    of one more call: (samples by path, counts by path)."""
-    samples, calls = {}, {}
+def time_paths(comm, runs, paths, warmup: int, iters: int) -> tuple[dict, dict, dict]:
+    """Each path's samples (every rank starting together), the host waits and MPI calls of
+    one more call, and the SM clock right after the samples: (samples, counts, clocks in
+    MHz), each by path."""
+    samples, clocks, calls = {}, {}, {}
+    clock = SmClock()
     for path in paths:
         comm.Barrier()
         timer = queued_samples_ms if path in QUEUED else samples_ms
         samples[path] = timer(runs[path], warmup, iters)
+        clocks[path] = clock.mhz()
         comm.Barrier()
         with counting() as counted:
             runs[path]()
         calls[path] = counted
-    return samples, calls
+    return samples, calls, clocks
 
 
 def _busiest_rank(comm, counted) -> tuple:

@@ -116,7 +116,7 @@ def measure_point_fp8(svc, w13, w2, fp8w, topk_all, seed: int, warmup: int, iter
     else:
         library = LibraryLayerFP8(svc.nccl, svc.world, cfg.num_experts, H, I, library_swiglu)
         runs["layer-library"] = lambda: library.forward(x, idx, w, fp8w, None, outs["layer-library"])
-    samples, calls = time_paths(comm, runs, paths, warmup, iters)
+    samples, calls, clocks = time_paths(comm, runs, paths, warmup, iters)
     svc.check()
 
     # The bf16 layer on the same routing: the tokens' bf16 rows in the dispatch's order (the
@@ -154,6 +154,6 @@ def measure_point_fp8(svc, w13, w2, fp8w, topk_all, seed: int, warmup: int, iter
         "layer-library": arithmetic.layer_work(counts, H, I, dedup_dispatch=False),
     }
     results = [PathResult(p, samples[p], work[p], None if wrong[p] is None else comm.allreduce(wrong[p]),
-                          *_busiest_rank(comm, calls[p]))
+                          *_busiest_rank(comm, calls[p]), sm_mhz=clocks[p])
                for p in paths]
     return results, err_vs_bf16

@@ -26,7 +26,7 @@ NO_VALUE = "-"           # the path ran, but this column has no meaning for it
 # Keys of `info` that preamble formats itself; any other key gets a "# key: value" line.
 _VERSIONS = (("epserve", "epserve"), ("cupy", "CuPy"), ("nccl", "NCCL"), ("cuda", "CUDA"),
              ("driver", "driver"))
-_KNOWN_KEYS = {"date", "command", "world_size", "gpus", "limits", "link"} | {key for key, _ in _VERSIONS}
+_KNOWN_KEYS = {"date", "command", "world_size", "gpus", "limits", "link", "fp8_dense"} | {key for key, _ in _VERSIONS}
 
 
 def base_info(rates: Rates | None = None, argv=None) -> dict:
@@ -69,8 +69,21 @@ def preamble(info: dict) -> list[str]:
                         "rate"))
     else:
         lines.append(f"# measured limits: {NOT_RECORDED} (floor and x floor cannot be computed)")
+    if info.get("fp8_dense"):
+        lines.append("# FP8 dense GEMM limit, 8192^3 with 1 x 128 and 128 x 128 scales, slowest rank: "
+                     + fp8_dense_text(info["fp8_dense"]))
     lines += [f"# {key}: {value}" for key, value in info.items() if key not in _KNOWN_KEYS]
     return lines
+
+
+def fp8_dense_text(dense: dict) -> str:
+    """info["fp8_dense"] ({name: {"tflop_s", "sm_mhz": [by rank]}}) as one phrase: each GEMM's
+    rate and the SM clock each rank read right after timing it."""
+    def clocks(mhz):
+        known = [f"{m:.0f}" for m in mhz if m is not None]
+        return f" at {'/'.join(known)} MHz" if known else ""
+
+    return ", ".join(f"{name} {d['tflop_s']:.1f} TFLOP/s{clocks(d.get('sm_mhz') or [])}" for name, d in dense.items())
 
 
 def _number(value: float) -> str:
@@ -100,6 +113,7 @@ _COLUMNS = (
     _Column("spread", "(p10-p90 us)", False,
             lambda r: f"{_number(r.timing.p10_ms * 1e3)}-{_number(r.timing.p90_ms * 1e3)}"),
     _Column("TFLOP/s", "(per GPU)", False, lambda r: _or_dash(r.tflop_s, _number)),
+    _Column("SM clock", "(MHz, after)", False, lambda r: _or_dash(r.sm_mhz, lambda m: f"{m:.0f}")),
     _Column("NVLink", "(GB)", False, lambda r: _or_dash(r.nvlink_bytes, lambda b: _number(b / 1e9))),
     _Column("NVLink", "(GB/s)", False, lambda r: _or_dash(r.nvlink_gb_s, _number)),
     _Column("floor", "(us)", False, lambda r: _or_dash(r.floor, lambda f: _number(f.seconds * 1e6))),
@@ -115,7 +129,8 @@ _COLUMNS = (
 def table(rows) -> list[str]:
     """The rows under two `#` header lines (names, then units), columns as wide as their
     widest cell. NVLink bytes are the busiest direction of any rank's link, TFLOP/s the
-    layer's FLOPs per GPU over the slowest rank's median, time and spread that rank's."""
+    layer's FLOPs per GPU over the slowest rank's median, time, spread and SM clock that
+    rank's (the clock read right after its timed iterations: bench/clock.py)."""
     cells = [[column.cell(row) if row.timing is not None or column.shape else NOT_APPLICABLE
               for column in _COLUMNS] for row in rows]
     widths = [max([len(column.name), len(column.unit)] + [len(line[i]) for line in cells])

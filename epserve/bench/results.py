@@ -30,6 +30,7 @@ class Row:
     wrong: int | None = None          # elements that differ bitwise from the unfused output
     host_waits: int | None = None     # host waits for the GPU per call (the most of any rank)
     mpi_calls: int | None = None      # MPI calls per call (the most of any rank)
+    sm_mhz: float | None = None       # that rank's SM clock right after its timed iterations (bench/clock.py)
 
     @property
     def key(self) -> tuple:
@@ -73,13 +74,17 @@ class Row:
 
 def measured_row(preset: Preset, routing: Routing, path: str, slowest: RankTiming, work: Work,
                  rates: Rates, *, per_rank_ms=None, wrong: int | None = None, host_waits: int | None = None,
-                 mpi_calls: int | None = None) -> Row:
+                 mpi_calls: int | None = None, per_rank_mhz=None) -> Row:
     """The Row of a path that ran: `slowest` from timing.slowest_rank, `work` what the path
-    must do (arithmetic.gemm2_combine_work and friends), `rates` measured in this run."""
+    must do (arithmetic.gemm2_combine_work and friends), `rates` measured in this run.
+    per_rank_mhz: each rank's SM clock after its iterations, by rank (None where not read);
+    the row keeps the slowest rank's."""
+    mhz = None if per_rank_mhz is None else per_rank_mhz[slowest.rank]
     return Row(preset=preset, routing=routing, path=path, timing=slowest.timing, rank=slowest.rank,
                per_rank_ms=None if per_rank_ms is None else tuple(tuple(ms) for ms in per_rank_ms),
                flops_per_gpu=work.flops_per_gpu, nvlink_bytes=work.nvlink.busiest,
-               floor=work.floor(rates), wrong=wrong, host_waits=host_waits, mpi_calls=mpi_calls)
+               floor=work.floor(rates), wrong=wrong, host_waits=host_waits, mpi_calls=mpi_calls,
+               sm_mhz=None if mhz is None else float(mhz))
 
 
 def with_baselines(rows, unfused_path, library_path=None) -> list[Row]:
@@ -126,6 +131,7 @@ def row_to_dict(row: Row) -> dict:
         "wrong": row.wrong,
         "host_waits": row.host_waits,
         "mpi_calls": row.mpi_calls,
+        "sm_mhz": row.sm_mhz,
         "derived": {
             "tflop_s_per_gpu": row.tflop_s,
             "nvlink_gb_s": row.nvlink_gb_s,
@@ -153,4 +159,5 @@ def row_from_dict(d: dict) -> Row:
         wrong=d["wrong"],
         host_waits=d.get("host_waits"),  # absent from files written before they were counted
         mpi_calls=d.get("mpi_calls"),
+        sm_mhz=d.get("sm_mhz"),  # absent from files written before the clock was read
     )

@@ -53,6 +53,7 @@ class Verdict:
     value: float | None  # None: not measured
     met: bool
     note: str = ""
+    sm_mhz: float | None = None  # the SM clock right after the row's timing, where the run read it
 
 
 def _find(rows, preset: str, tokens: int, path: str) -> Row | None:
@@ -87,7 +88,7 @@ def judge(run: Run, target: Target) -> Verdict:
         value = row.timing.median_ms / over.timing.median_ms
         met = value <= target.bound
     wrong = _wrong_note(*rows)
-    return Verdict(target, value, met and not wrong, wrong)
+    return Verdict(target, value, met and not wrong, wrong, row.sm_mhz)
 
 
 def lines(run: Run, targets=ISSUE_16) -> list[str]:
@@ -99,7 +100,8 @@ def lines(run: Run, targets=ISSUE_16) -> list[str]:
         out.append("# the targets are stated for two GPUs, one rank each: this run is not that machine")
     units = {"tflop_s": "TFLOP/s", "ms": "ms", "ratio": ""}
     out.append(f"# {'target':<32}{'preset':<18}{'tokens':>7}  {'measured':>10}  {'bound':>16}  verdict")
-    for v in (judge(run, t) for t in targets):
+    verdicts = [judge(run, t) for t in targets]
+    for v in verdicts:
         t = v.target
         sign = ">=" if t.metric == "tflop_s" else "<="
         measured = "-" if v.value is None else f"{v.value:.3f}" if t.metric != "tflop_s" else f"{v.value:.0f}"
@@ -107,7 +109,21 @@ def lines(run: Run, targets=ISSUE_16) -> list[str]:
         note = f" ({v.note})" if v.note and v.value is not None else ""
         bound = f"{sign} {t.bound:g} {units[t.metric]}".rstrip()
         out.append(f"  {t.name:<32}{t.preset:<18}{t.tokens:>7}  {measured:>10}  {bound:>16}  {verdict}{note}")
-    return out
+    return out + clock_lines(run, verdicts)
+
+
+def clock_lines(run: Run, verdicts) -> list[str]:
+    """The SM clock of the rate targets' rows and of the dense FP8 limit, where the run read
+    them (bench/clock.py): at the part's power limit the clock, not the kernel alone, sets a
+    GEMM's TFLOP/s, so a rate is read together with the clock it ran at."""
+    rated = [f"{v.target.name} {v.sm_mhz:.0f} MHz" for v in verdicts
+             if v.target.metric == "tflop_s" and v.sm_mhz is not None]
+    dense = run.info.get("fp8_dense")
+    if not rated and not dense:
+        return []
+    text = "; ".join(rated) if rated else "not read"
+    limit = f"; the dense FP8 GEMM limit: {report.fp8_dense_text(dense)}" if dense else ""
+    return [f"# SM clock right after each row's timing: {text}{limit}"]
 
 
 def main(argv=None) -> int:

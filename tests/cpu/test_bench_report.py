@@ -24,9 +24,11 @@ def synthetic_rows():
     per_rank = [{"unfused": [3.0, 3.1, 2.9], "fused": [1.5, 1.4, 1.6]},
                 {"unfused": [3.2, 3.3, 3.4], "fused": [1.0, 1.1, 1.2]}]
     slowest = slowest_rank(per_rank)
+    clocks = {"unfused": [1410.4, 1395.0], "fused": [1502.6, None]}  # by rank; rank 1 read no clock for fused
     rows = [measured_row(PRESET, routing, path, slowest[path], work, RATES,
                          per_rank_ms=[r[path] for r in per_rank], wrong=0 if path == "fused" else None,
-                         host_waits=0 if path == "fused" else 1, mpi_calls=0 if path == "fused" else 2)
+                         host_waits=0 if path == "fused" else 1, mpi_calls=0 if path == "fused" else 2,
+                         per_rank_mhz=clocks[path])
             for path in ("unfused", "fused")]
     rows.append(Row(PRESET, routing, "deepep"))  # not installed here: n/a
     return with_baselines(rows, unfused_path="unfused", library_path="deepep"), work
@@ -46,6 +48,8 @@ def test_rows_from_measurements():
     assert fused.tflop_s == pytest.approx(work.flops_per_gpu / 1.5e-3 / 1e12)
     assert fused.nvlink_gb_s == pytest.approx(work.nvlink.busiest / 1.5e-3 / 1e9)
     assert deepep.timing is None and deepep.speedup_vs_unfused is None and deepep.x_floor is None
+    # each row keeps the clock of the rank it reports
+    assert unfused.sm_mhz == 1395.0 and fused.sm_mhz == 1502.6 and deepep.sm_mhz is None
 
 
 def test_each_family_of_paths_compares_with_its_own_baselines():
@@ -77,11 +81,11 @@ def test_table_layout():
     rows, work = synthetic_rows()
     names, units, *data = report.table(rows)
     assert names.startswith("# ") and units.startswith("# ")
-    for column in ("preset", "routing", "tokens/rank", "path", "time", "spread", "TFLOP/s",
+    for column in ("preset", "routing", "tokens/rank", "path", "time", "spread", "TFLOP/s", "SM clock",
                    "NVLink", "floor", "x floor", "speed-up", "host", "MPI", "#wrong"):
         assert column in names
-    for unit in ("(us, median)", "(p10-p90 us)", "(GB)", "(GB/s)", "(us)", "(vs unfused)", "(vs library)", "(waits/call)",
-                 "(calls/call)"):
+    for unit in ("(us, median)", "(p10-p90 us)", "(MHz, after)", "(GB)", "(GB/s)", "(us)", "(vs unfused)",
+                 "(vs library)", "(waits/call)", "(calls/call)"):
         assert unit in units
     assert names.endswith("#wrong")
     assert len(data) == 3
@@ -91,9 +95,10 @@ def test_table_layout():
     assert fused[3:6] == ["fused", "1500", "1420-1580"]       # us; p10-p90 of 1.4, 1.5, 1.6 ms
     assert fused[-5:] == ["2.20", "-", "0", "0", "0"]         # vs unfused, vs library, host waits, MPI, #wrong
     assert unfused[-3:] == ["1", "2", "-"]                    # counted waits and MPI calls; no #wrong reference
-    assert fused[7] == f"{work.nvlink.busiest / 1e9:#.4g}"
+    assert fused[7] == "1503" and unfused[7] == "1395"  # the reported rank's SM clock, MHz
+    assert fused[8] == f"{work.nvlink.busiest / 1e9:#.4g}"
     assert deepep[:4] == ["dsv3-prefill/scaled", "balanced", "64", "deepep"]
-    assert deepep[4:] == ["n/a"] * 12
+    assert deepep[4:] == ["n/a"] * 13
 
     # Right-aligned numbers: every line's #wrong cell ends where the header's does.
     assert {len(line) for line in [names] + data} == {len(names)}
@@ -112,6 +117,16 @@ def test_preamble():
     assert "# GPU 0: NVIDIA H200" in text and "# GPU 1: NVIDIA H200" in text
     assert "GEMM 400.0 TFLOP/s, HBM copy 3500 GB/s, NVLink peer store 350.0 GB/s per direction" in text
     assert "# iterations: 20" in text and "# python: " in text
+
+
+def test_preamble_gives_the_dense_fp8_limit_with_its_clocks():
+    info = report.base_info(RATES, argv=["bench.py"])
+    info["fp8_dense"] = {"ours": {"tflop_s": 1148.04, "sm_mhz": [1440.2, 1425.0]},
+                         "cuBLASLt": {"tflop_s": 1127.0, "sm_mhz": [None, None]}}
+    text = "\n".join(report.preamble(info))
+    assert ("# FP8 dense GEMM limit, 8192^3 with 1 x 128 and 128 x 128 scales, slowest rank: "
+            "ours 1148.0 TFLOP/s at 1440/1425 MHz, cuBLASLt 1127.0 TFLOP/s") in text
+    assert "fp8_dense:" not in text
 
 
 def test_preamble_without_a_link_says_so():
@@ -143,6 +158,7 @@ def test_json_round_trip(tmp_path):
     assert fused["timing"]["samples_ms"] == [1.5, 1.4, 1.6]
     assert fused["per_rank_ms"] == [[1.5, 1.4, 1.6], [1.0, 1.1, 1.2]]
     assert fused["derived"]["speedup_vs_unfused"] == pytest.approx(2.2)
+    assert fused["sm_mhz"] == 1502.6
     assert fused["floor"]["binding"] in ar.BINDING_TERMS
     assert document["info"]["limits"] == {"gemm_flop_s": 400e12, "copy_bytes_s": 3.5e12, "peer_bytes_s": 350e9}
 

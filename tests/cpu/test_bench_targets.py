@@ -74,6 +74,21 @@ def test_another_world_size_is_named(document):
         targets.lines(run_from(document))
 
 
+def test_the_clocks_are_given_where_the_run_read_them(document):
+    """The committed run predates the clock: no clock line. With the rows' clocks and the
+    dense limit's, one line gives both GEMM rows' clocks and the limit's."""
+    assert not any("SM clock" in line for line in targets.lines(run_from(document)))
+    for r in document["rows"]:
+        if r["preset"]["name"] == "dsv3-prefill-fp8" and r["path"] in ("gemm1", "gemm2"):
+            r["sm_mhz"] = {"gemm1": 1290.4, "gemm2": 1350.0}[r["path"]]
+    document["info"]["fp8_dense"] = {"cuBLASLt": {"tflop_s": 1127.0, "sm_mhz": [1440.0, 1425.0]}}
+    run = run_from(document)
+    assert verdicts(run)["GEMM 1 (FP8, SwiGLU, quantize)"].sm_mhz == 1290.4
+    assert targets.lines(run)[-1] == ("# SM clock right after each row's timing: GEMM 1 (FP8, SwiGLU, quantize) "
+                                      "1290 MHz; GEMM 2 (FP8) 1350 MHz; the dense FP8 GEMM limit: cuBLASLt "
+                                      "1127.0 TFLOP/s at 1440/1425 MHz")
+
+
 def test_the_command(tmp_path, capsys, document):
     assert targets.main([str(TWO_H200)]) == 0
     assert "FP8/bf16 dispatch, public call" in capsys.readouterr().out

@@ -59,6 +59,15 @@ def test_fp8_experimental_builds_compile_without_spills_or_serialized_wgmmas(bas
     assert {**defines, **gemm_fp8.KNOBS[gemm_fp8.SHIPPED[base]]} == defines, base
 
 
+def test_sm_clock_probe_compiles(cache):
+    """The benchmark's clock probe (epserve/bench/clock.py) builds, and counts SM cycles
+    against the global timer."""
+    from epserve.bench import clock
+
+    ptx = build.compile_source(clock.SOURCE).ptx.read_text()
+    assert f".entry {clock.KERNEL}" in ptx and "%globaltimer" in ptx and "%clock64" in ptx
+
+
 def test_fp8_consumer_loop_probe_compiles_at_every_level(cache):
     """launch/jobs/probe_fp8_consumer_loop.py's kernel (the FP8 GEMM's consumer loop alone)
     builds from the GEMM's own helpers at every level the job names, without spills or
