@@ -107,8 +107,23 @@
 //   (64 each) fit where the 128 x 256 tile's sum (128) and one part do. Same bits: the same
 //   wgmmas into a fresh part, the same promotion fma, k-blocks promoted in the same order;
 //   only the time at which each is issued moves.
+// - EPSERVE_GEMM_FP8_L2_SIDES=1 (shipped): tiles handed out by L2 side. Hopper's L2 is two partitions
+//   joined by a fabric; an SM reads through its near one, and lines homed in the far one
+//   cross the fabric, once for each side whose SMs read them. An expert's weight tiles are
+//   read by its 2-3 m-tiles, often on both sides. With this build a CTA on side 0 (by
+//   epserve_gemm_sm_side[%smid], measured on the GPU in hand by the host: the side table
+//   differs from die to die) takes tiles in the scheduler's order from the front, a CTA on
+//   side 1 from the back, so each side works on experts of its own; the two meet where they
+//   run out (one 64-bit counter holds both counts, a take fails once they sum to the tile
+//   count). Same bits: a tile's work does not depend on which CTA runs it, and any table
+//   (epserve/runtime/l2_sides.py writes the measured one, or zeros) gives them. Shipped since
+//   the twenty-second session: fabric traffic down a third, time unchanged at the power limit
+//   (fifteenth session), and 1-2.7% off both GEMMs timed as the bench times them.
 #ifndef EPSERVE_GEMM_FP8_SPLIT_TAILS
 #define EPSERVE_GEMM_FP8_SPLIT_TAILS 0
+#endif
+#ifndef EPSERVE_GEMM_FP8_L2_SIDES
+#define EPSERVE_GEMM_FP8_L2_SIDES 0
 #endif
 #ifndef EPSERVE_GEMM_FP8_BN
 #define EPSERVE_GEMM_FP8_BN 256
@@ -149,6 +164,7 @@ constexpr int kOutCols = kSwiGLU ? kBN / 2 : kBN;
 constexpr int kConsumers = 2, kConsumerThreads = 128 * kConsumers;
 constexpr bool kReleaseByWarpgroup = EPSERVE_GEMM_FP8_RELEASE_BY_WARPGROUP != 0;
 constexpr bool kZeroPadding = EPSERVE_GEMM_FP8_ZERO_PADDING != 0;
+constexpr bool kL2Sides = EPSERVE_GEMM_FP8_L2_SIDES != 0;
 // The arrivals that free a stage: one per consumer thread (the consumers' `release` says why).
 constexpr int kStageReleases = kReleaseByWarpgroup ? kConsumers : kConsumerThreads;
 constexpr int kThreads = 128 * (kConsumers + 1);
@@ -284,7 +300,13 @@ extern "C" {
 __device__ TensorMap epserve_gemm_padding_maps[kZeroPadding ? 256 : 1][kPaddingMaps];
 }
 
+// EPSERVE_GEMM_FP8_L2_SIDES: each SM's L2 side (0 or 1) by %smid, written by the host.
+extern "C" {
+__device__ unsigned char epserve_gemm_sm_side[256];
+}
+
 extern "C" __constant__ int epserve_gemm_smem_bytes = kSmemBytes;
+extern "C" __constant__ int epserve_gemm_l2_sides = kL2Sides;
 extern "C" __constant__ int epserve_gemm_threads = kThreads;
 extern "C" __constant__ int epserve_gemm_stages = kStages;
 extern "C" __constant__ int epserve_gemm_b_box_rows = kSwiGLU ? kBN / 2 : kBN;  // the rows of B's TMA box
@@ -294,8 +316,9 @@ extern "C" __constant__ int epserve_gemm_scale_box_cols = kScaleBox;  // the col
 // in 1 x epserve_gemm_scale_box_cols boxes; map_b: B [E * b_rows, K] e4m3 in boxes of
 // epserve_gemm_b_box_rows rows; b_scales [E, b_rows / 128, K / 128]. N: output columns (b_rows = N, or 2N with SwiGLU);
 // N and K multiples of 128. C: bf16 [M, N] (null sink; may be null with the peer sink), or
-// with SwiGLU e4m3 [M, N] and c_scales [N / 128, c_scale_ld]. tile_counter: two ints, zero
-// at launch and zero again when the kernel ends (the last CTA resets them).
+// with SwiGLU e4m3 [M, N] and c_scales [N / 128, c_scale_ld]. tile_counter: two ints (three,
+// 8-byte aligned, with EPSERVE_GEMM_FP8_L2_SIDES), zero at launch and zero again when the
+// kernel ends (the last CTA resets them).
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
     epserve_grouped_gemm_fp8(const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_sa,
                              const __grid_constant__ TensorMap map_b, const float* __restrict__ b_scales,
@@ -372,16 +395,33 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         padding_maps = epserve_gemm_padding_maps[smid & 255];
         for (int m = 0; m < kPaddingMaps; ++m) padding_maps[m] = map_a;
       }
+      int side = 0;
+      if constexpr (kL2Sides) {
+        int smid;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+        side = epserve_gemm_sm_side[smid & 255];
+      }
       for (;;) {
-        const int index = atomicAdd(tile_counter, 1);
+        int index;
+        if constexpr (kL2Sides) {  // counts taken from the front (low word) and from the back
+          const unsigned long long taken = atomicAdd(reinterpret_cast<unsigned long long*>(tile_counter),
+                                                     side ? 1ull << 32 : 1ull);
+          const int front = static_cast<int>(taken & 0xffffffffu), back = static_cast<int>(taken >> 32);
+          index = front + back >= sched.total_tiles ? sched.total_tiles
+                                                    : (side ? sched.total_tiles - 1 - back : front);
+        } else {
+          index = atomicAdd(tile_counter, 1);
+        }
         if (index >= sched.total_tiles) {
           mbarrier_wait(&empty[stage], phase ^ 1);
           stage_tile[stage] = -1;
           mbarrier_expect_tx(&full[stage], 0);
-          // The last CTA to stop resets the counter for the next launch on the stream.
-          if (atomicAdd(tile_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+          // The last CTA to stop resets the counters for the next launch on the stream (with
+          // kL2Sides, words 0 and 1 are the 64-bit tile counter, word 2 counts the stops).
+          if (atomicAdd(tile_counter + (kL2Sides ? 2 : 1), 1) == static_cast<int>(gridDim.x) - 1) {
             tile_counter[0] = 0;
             tile_counter[1] = 0;
+            if constexpr (kL2Sides) tile_counter[2] = 0;
           }
           break;
         }

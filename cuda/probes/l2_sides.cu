@@ -1,5 +1,5 @@
-// Which half of the L2 each SM sits next to (launch/jobs/probe_l2_sides.py runs it;
-// notes/gemm.md, fifteenth session). Hopper's L2 is two partitions joined by a fabric: an SM
+// Which half of the L2 each SM sits next to (epserve/runtime/l2_sides.py runs it for the FP8
+// GEMMs' tile order, launch/jobs/probe_l2_sides.py to print it; notes/gemm.md, fifteenth session). Hopper's L2 is two partitions joined by a fabric: an SM
 // reads through its near partition, which keeps its own copies of lines homed in the far one.
 // Block 0 reads every block's region, so each region's lines sit in block 0's near partition;
 // then every other block times one pass of a dependent-load chase through its own region.

@@ -158,8 +158,10 @@ def run(specs) -> None:
 @functools.lru_cache(maxsize=None)
 def _tile_counter(device: int, stream: int):
     """The wgmma GEMM's tile counter for launches on one stream: zero between launches (the
-    kernel resets it), so stream order is all the sharing needs; a stream of its own each."""
-    return cupy.zeros(2, np.int32)
+    kernel resets it), so stream order is all the sharing needs; a stream of its own each.
+    Four ints: the FP8 GEMM's EPSERVE_GEMM_FP8_L2_SIDES build uses three, the first two as one
+    64-bit counter (a CuPy allocation is aligned far beyond 8 bytes)."""
+    return cupy.zeros(4, np.int32)
 
 
 # Split K (GEMM 2's split builds, EPSERVE_GEMM_SPLIT_K=2): a tile's first half stores its fp32

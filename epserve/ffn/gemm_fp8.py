@@ -18,7 +18,7 @@ import numpy as np
 
 from epserve.ffn.fp8 import _i64
 from epserve.ffn.gemm import _gemm_kernel, _tile_counter, peer_variant, run
-from epserve.runtime import tma
+from epserve.runtime import l2_sides, tma
 from epserve.runtime.kernel_structs import PEER_SEND_CONFIG, i32, launch_arg
 from epserve.runtime.kernels import FP8_SHIPPED
 from epserve.runtime.launch import NULL, module_int, sm_count
@@ -33,12 +33,14 @@ _NO_PEERS = launch_arg(np.zeros(1, PEER_SEND_CONFIG))
 # "split" for both GEMMs, the fastest at dsv3-prefill's balanced and uniform routings and on
 # a dense problem on one H200 (notes/gemm.md, ninth session: GEMM 1 had shipped
 # "split+overlap", 4-5% slower there), with the padding rows past an expert's end loaded as
-# zeros (fifteenth session: 1.5-1.8% on GEMM 1 by power alone); "plain" is the build without
-# any of them.
+# zeros (fifteenth session: 1.5-1.8% on GEMM 1 by power alone) and tiles handed out by L2 side
+# (twenty-second session: 1-2.6% on both GEMMs timed as the bench times them); "plain" is the
+# build without any of them.
 # launch/jobs/time_gemm_fp8.py --variants times them against the shipped ones,
 # tests/gpu/test_gemm_fp8.py holds each to the shipped build's bits, tests/cpu/test_build.py
 # compiles them. Names with "n128" are GEMM 2's only (the kernel refuses them with SwiGLU).
-_PLAIN = {"EPSERVE_GEMM_FP8_SPLIT_TAILS": 0, "EPSERVE_GEMM_FP8_OVERLAP": 0, "EPSERVE_GEMM_FP8_ZERO_PADDING": 0}
+_PLAIN = {"EPSERVE_GEMM_FP8_SPLIT_TAILS": 0, "EPSERVE_GEMM_FP8_OVERLAP": 0, "EPSERVE_GEMM_FP8_ZERO_PADDING": 0,
+          "EPSERVE_GEMM_FP8_L2_SIDES": 0}
 KNOBS: dict[str, dict[str, int]] = {
     "plain": _PLAIN,
     "split": {**_PLAIN, **FP8_SHIPPED},
@@ -47,6 +49,8 @@ KNOBS: dict[str, dict[str, int]] = {
     "split+overlap": {**_PLAIN, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_OVERLAP": 1},
     "n128": {**_PLAIN, "EPSERVE_GEMM_FP8_BN": 128},
     "n128+overlap": {**_PLAIN, "EPSERVE_GEMM_FP8_BN": 128, "EPSERVE_GEMM_FP8_OVERLAP": 1},
+    # the shipped build until the twenty-second session: every CTA takes tiles from the front
+    "split-nosides": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_L2_SIDES": 0},
 }
 SHIPPED = {"gemm_fp8_null": "split", "gemm_fp8_peer": "split", "gemm1_fp8_swiglu": "split"}
 
@@ -140,6 +144,8 @@ def _kernel(variant: str, device: int):
     mod = kernels.module(variant)
     b_box = module_int(mod, "epserve_gemm_b_box_rows")
     sa_box = module_int(mod, "epserve_gemm_scale_box_cols")
+    if module_int(mod, "epserve_gemm_l2_sides"):  # its CTAs take tiles by L2 side: give it the sides
+        l2_sides.write_table(mod, device)
     return fn, smem, (threads,), (sm_count(device),), b_box, sa_box
 
 

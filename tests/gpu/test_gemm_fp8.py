@@ -345,8 +345,8 @@ def test_gemm2_fp8_peer_sink_scatters_the_null_builds_rows():
 # epserve.ffn.gemm_fp8.KNOBS by GEMM (the 128-wide tile is GEMM 2's only; tests/cpu/test_build.py
 # checks that this list names every knob).
 FP8_KNOB_BUILDS = [("2", "plain"), ("2", "split"), ("2", "split-unzeroed"), ("2", "split+overlap"), ("2", "n128"),
-                   ("2", "n128+overlap"), ("1", "plain"), ("1", "split"), ("1", "split-unzeroed"),
-                   ("1", "split+overlap")]
+                   ("2", "n128+overlap"), ("2", "split-nosides"), ("1", "plain"), ("1", "split"),
+                   ("1", "split-unzeroed"), ("1", "split+overlap"), ("1", "split-nosides")]
 
 
 @pytest.mark.parametrize("gemm,knob", FP8_KNOB_BUILDS)
@@ -360,7 +360,9 @@ def test_fp8_build_knobs_give_the_same_bits(knob, gemm, rows, K, monkeypatch):
     shared memory), and the rows of an A box past its expert's end loaded as zeros (through a
     copy of A's tensor map cut there; split-unzeroed loads the next expert's rows there, as
     every build did before); n128: 128 x 128 tiles (GEMM 2 only); overlap: k-block kt + 1's
-    wgmmas in flight while kt is promoted, on both. The rows hold tails of 1 .. 64 rows (split) and
+    wgmmas in flight while kt is promoted, on both; nosides: every CTA takes tiles from the
+    front of the order (the shipped build takes them by L2 side, with this GPU's measured
+    table). The rows hold tails of 1 .. 64 rows (split) and
     65 .. 127 (not), whole tiles, empty experts, and more tiles than SMs (a CTA meets split
     and unsplit tiles in turn); K from 1 to 5 k-blocks (the overlapped loop's two-a-pass body
     and both of its endings); GEMM 2's N = 384 leaves its last 256-wide column tile without a
@@ -397,3 +399,58 @@ def test_fp8_build_knobs_give_the_same_bits(knob, gemm, rows, K, monkeypatch):
         assert not np.isnan(cupy.asnumpy(act_s)[:, :M]).any(), "scales left unwritten"
     for want, got in zip(outs[base], outs[name]):
         assert np.array_equal(got, want), f"the {knob} build differs from the default"
+
+
+@pytest.mark.parametrize("gemm", ["1", "2"])
+def test_the_l2_side_table_orders_tiles_and_moves_no_bit(gemm):
+    """The shipped FP8 GEMMs take tiles by L2 side (epserve/runtime/l2_sides.py): the table this
+    H200 measures splits its SMs in two halves that three reps agree on, and whatever the
+    table says (every SM on one side, on the other, alternating, the measured one), each
+    output bit equals the build that takes every tile from the front."""
+    import cupy
+
+    from epserve.ffn import gemm_fp8
+    from epserve.runtime import kernels, l2_sides
+
+    device = cupy.cuda.runtime.getDevice()
+    sides = l2_sides.sides(device)
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    assert sides.why_not is None, sides.why_not
+    near, far = sides.counts
+    assert near - (256 - sms) + far == sms and sms // 4 <= far <= sms - sms // 4, sides.counts
+    assert sides.agreement >= l2_sides.MIN_AGREEMENT
+
+    base = "gemm1_fp8_swiglu" if gemm == "1" else "gemm_fp8_null"
+    nosides = gemm_fp8.register_knob(base, "split-nosides")
+    rng = np.random.default_rng(5)
+    rows = [300, 257, 0, 64, 1, 190, 511, 128] * 6  # more tiles than SMs: both sides meet in the middle
+    E, M, K = len(rows), sum(rows), 256
+    N = 384 if gemm == "2" else 256
+    a_q, a_s, b_q, b_s, offsets = _quantized(rng, rows, E, N if gemm == "2" else 2 * N, K)
+
+    def run(variant):
+        if gemm == "2":
+            C = cupy.full((M, N), np.nan, BF16)
+            gemm_fp8.run(gemm_fp8._specs(variant, a_q, a_s, b_q, b_s, E * N, C, None, offsets, E, N, K,
+                                         gemm_fp8._NO_PEERS, 0))
+            return (cupy.asnumpy(C).view(np.uint16),)
+        act = cupy.full((M, N), E4M3_NAN, np.uint8)
+        act_s = cupy.full((N // 128, f8.scale_ld(M)), np.nan, np.float32)
+        gemm_fp8.run(gemm_fp8._specs(variant, a_q, a_s, b_q, b_s, E * 2 * N, act, act_s, offsets, E, N, K,
+                                     gemm_fp8._NO_PEERS, 0))
+        return (_bits(act), cupy.asnumpy(act_s).view(np.uint32))
+
+    want = run(nosides)
+    written = want[0].view(BF16).astype(np.float32) if gemm == "2" else want[1].view(np.float32)[:, :M]
+    assert not np.isnan(written).any(), "outputs left unwritten"
+    module = kernels.module(base)
+    tables = {"measured": sides.table, "all far": np.ones(256, np.uint8), "all near": np.zeros(256, np.uint8),
+              "alternating": (np.arange(256) % 2).astype(np.uint8)}
+    try:
+        for name, table in tables.items():
+            module.get_global(l2_sides.TABLE_SYMBOL).copy_from_host(np.ascontiguousarray(table).ctypes.data, 256)
+            for _ in range(2):  # and again: the counters were reset for the next launch
+                for w, g in zip(want, run(base)):
+                    assert np.array_equal(g, w), f"table {name}: the output differs from the front-only build"
+    finally:
+        l2_sides.write_table(module, device)
