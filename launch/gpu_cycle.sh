@@ -22,6 +22,8 @@
 #   bash launch/gpu_cycle.sh fp8-x2            # two GPUs, issue 16's open questions in one call: the bench's
 #                                              # FP8 and bf16 presets with each sink build, the targets, the
 #                                              # FP8 stage-release race job, <= 9.5 min
+#   bash launch/gpu_cycle.sh rank-of-2         # one GPU standing in for a rank of two: the dsv3 presets
+#                                              # with 128 experts (bench --as-rank-of 2), ~1.5 min
 # bench runs one rank per GPU (on one GPU: one rank, no link); run, fuzz and soak take two
 # ranks, sharing the GPU where there is one.
 set -uo pipefail
@@ -65,6 +67,11 @@ for s in "$@"; do
         bench) stage bench "^#|^  [a-z]" make bench NP=$gpus
                stage bench-targets "^#|^  " env PYTHONPATH=. python3 -m epserve.bench.targets "results/h200x$gpus/bench.json"
                tar czf "$out/results.tgz" results ;;
+        # The expert GEMMs at a two-rank rank's shape on one GPU (nothing crosses a link): what
+        # issue 16's GEMM targets can be read off without a second GPU.
+        rank-of-2) stage rank-of-2 "^#|^  [a-z]" env PYTHONPATH=. python3 launch/run.py -n 1 --timeout 300 -- \
+                       python3 -m mpi4py -m epserve.bench --presets dsv3-prefill-fp8,dsv3-prefill --as-rank-of 2 \
+                       --routing balanced --tokens 4096 --out "$out/rank-of-2" ;;
         fuzz)  stage fuzz "^# fuzz|^FAIL" make fuzz COUNT=500 ;;
         soak)  stage soak "^# soak" make soak CALLS=1000 ;;
         sanitize) stage sanitize "^== |SUMMARY" make sanitize ;;
@@ -197,7 +204,7 @@ sm__cycles_elapsed.avg.per_second,lts__t_sectors_op_read.sum,dram__bytes_read.su
         tests-x2) export NCCL_NVLS_ENABLE=0
             stage tests-x2 "passed|failed|FAILED|SKIPPED|ERROR|timed out" timeout -k 10 540 env PYTHONPATH=. \
                 python3 -m pytest -m gpu tests -q -rs -k "2-gpus and not test_across_nodes" -p no:cacheprovider ;;
-        *) echo "unknown stage $s (test run timing bench fuzz soak sanitize profile profile-fp8 sustained layer review-x2 tests-x2 fp8-race sink-bulk fp8-x2)"; status=1 ;;
+        *) echo "unknown stage $s (test run timing bench fuzz soak sanitize profile profile-fp8 sustained layer review-x2 tests-x2 fp8-race sink-bulk fp8-x2 rank-of-2)"; status=1 ;;
     esac
 done
 exit $status

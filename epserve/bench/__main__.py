@@ -72,6 +72,10 @@ def parse_args(argv=None):
                    help=f"every preset shrunk to hidden {QUICK_SHAPE['hidden']}, intermediate "
                         f"{QUICK_SHAPE['intermediate']}, at most {QUICK_MAX_EXPERTS} experts and top-{QUICK_MAX_TOP_K}, "
                         f"{QUICK_SHAPE['tokens_per_rank']} tokens: a check that every path runs, not a measurement")
+    p.add_argument("--as-rank-of", type=int, default=1, metavar="W",
+                   help="one GPU standing in for one rank of W: every preset with 1/W of its experts, so the "
+                        "expert GEMMs get one rank's shape at W ranks (the same rows per expert; nothing crosses a "
+                        "link, and the preset's name gets /scaled) (default: %(default)s, the presets as they are)")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per path and point (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed iterations before them (default: %(default)s)")
@@ -89,7 +93,15 @@ def sweep(preset, tokens_arg):
     return sorted({max(1, T // 4), max(1, T // 2), T})
 
 
-def shape_of(preset, quick: bool):
+def shape_of(preset, quick: bool, as_rank_of: int = 1):
+    """The preset as the run measures it: shrunk by --quick, and with 1 / as_rank_of of its
+    experts (--as-rank-of): one rank of W receives T x k rows over E / W experts, which is
+    what one rank with E / W experts receives, so the expert GEMMs have that rank's shape."""
+    if as_rank_of != 1:
+        if as_rank_of < 1 or preset.num_experts % as_rank_of or preset.num_experts // as_rank_of < preset.top_k:
+            raise SystemExit(f"--as-rank-of {as_rank_of}: {preset.name}'s {preset.num_experts} experts do not split "
+                             f"into {as_rank_of} ranks of at least top-{preset.top_k} experts each")
+        preset = presets.scaled(preset, num_experts=preset.num_experts // as_rank_of)
     if not quick:
         return preset
     return presets.scaled(preset, **QUICK_SHAPE, num_experts=min(QUICK_MAX_EXPERTS, preset.num_experts),
@@ -127,7 +139,7 @@ def main(argv=None) -> int:
         return 1
     comm = counting_comm(ep_comm.world())  # the same communicator, its MPI calls counted per path
     rank, world = comm.Get_rank(), comm.Get_size()
-    chosen = [shape_of(presets.get_preset(name), args.quick) for name in args.presets.split(",")]
+    chosen = [shape_of(presets.get_preset(name), args.quick, args.as_rank_of) for name in args.presets.split(",")]
     routings = [presets.get_routing(spec) for spec in args.routing.split(",")]
     rows, info, fp8_rates = [], None, None
     for preset in chosen:

@@ -84,3 +84,26 @@ def test_timing_jobs_point_has_the_presets_expert_dtype():
         _, cfg, routing = balanced_point(name, 64, 2, 17)
         assert cfg.expert_dtype == dtype
         assert len(routing) == 2 and routing[0].shape == (64, cfg.top_k)
+
+
+def test_as_rank_of_gives_one_rank_its_share_of_the_experts():
+    """--as-rank-of W: one rank with E / W experts receives T x k rows over them, as a rank of
+    W does over its E / W, so the expert GEMMs have that rank's rows per expert."""
+    from epserve.bench.__main__ import parse_args, shape_of
+
+    assert parse_args([]).as_rank_of == 1
+    dsv3 = ps.get_preset("dsv3-prefill-fp8")
+    assert shape_of(dsv3, False) is dsv3
+    half = shape_of(dsv3, False, parse_args(["--as-rank-of", "2"]).as_rank_of)
+    assert half.name == "dsv3-prefill-fp8/scaled" and half.num_experts == 128 and half.expert_dtype == "fp8"
+    assert (half.hidden, half.intermediate, half.top_k, half.tokens_per_rank) == (7168, 2048, 8, 4096)
+    # rows per expert: one rank's T x k over its experts; at two ranks, each of the two ranks
+    # sends its T x k rows, half of them to rank 0, over rank 0's E / 2 experts
+    one_rank = half.tokens_per_rank * half.top_k / half.num_experts
+    two_ranks = 2 * (dsv3.tokens_per_rank * dsv3.top_k / 2) / (dsv3.num_experts / 2)
+    assert one_rank == two_ranks == 256
+    quick = shape_of(dsv3, True, 2)
+    assert quick.num_experts == min(32, 128) and quick.name == "dsv3-prefill-fp8/scaled"
+    for bad in (3, 0, 64):  # 256 experts: not in 3 ranks, not in 0, and 4 < top-8 in 64
+        with pytest.raises(SystemExit, match="--as-rank-of"):
+            shape_of(dsv3, False, bad)
