@@ -118,7 +118,7 @@
 //   count). Same bits: a tile's work does not depend on which CTA runs it, and any table
 //   (epserve/runtime/l2_sides.py writes the measured one, or zeros) gives them. Shipped since
 //   the twenty-second session: fabric traffic down a third, time unchanged at the power limit
-//   (fifteenth session), and 1-2.7% off both GEMMs timed as the bench times them.
+//   (fifteenth session), and GEMM 1 0.9-2.7%, GEMM 2 0.4-1.7% faster timed as the bench times them.
 #ifndef EPSERVE_GEMM_FP8_SPLIT_TAILS
 #define EPSERVE_GEMM_FP8_SPLIT_TAILS 0
 #endif

@@ -12,7 +12,7 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-SOURCE = "probes/sm_clock.cu"
+VARIANT = "sm_clock_probe"  # epserve/runtime/kernels.py: cuda/probes/sm_clock.cu
 KERNEL = "epserve_sm_clock"
 SPAN_NS = 100_000  # long against the global timer's tick (<= 1 us), short against the power cap's changes
 
@@ -22,9 +22,9 @@ class SmClock:
     once."""
 
     def __init__(self, span_ns: int = SPAN_NS):
-        from epserve.runtime import build
+        from epserve.runtime import kernels
 
-        self._kernel = build.load_module(SOURCE).get_function(KERNEL)
+        self._kernel = kernels.function(VARIANT, KERNEL)
         self._span = np.uint64(span_ns)
         self._mhz = cupy.zeros(1, np.float32)
 

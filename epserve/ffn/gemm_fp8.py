@@ -34,7 +34,7 @@ _NO_PEERS = launch_arg(np.zeros(1, PEER_SEND_CONFIG))
 # a dense problem on one H200 (notes/gemm.md, ninth session: GEMM 1 had shipped
 # "split+overlap", 4-5% slower there), with the padding rows past an expert's end loaded as
 # zeros (fifteenth session: 1.5-1.8% on GEMM 1 by power alone) and tiles handed out by L2 side
-# (twenty-second session: 1-2.6% on both GEMMs timed as the bench times them); "plain" is the
+# (twenty-second session: GEMM 1 0.9-2.7% and GEMM 2 0.4-1.7% faster, timed as the bench times them); "plain" is the
 # build without any of them.
 # launch/jobs/time_gemm_fp8.py --variants times them against the shipped ones,
 # tests/gpu/test_gemm_fp8.py holds each to the shipped build's bits, tests/cpu/test_build.py

@@ -26,8 +26,8 @@ OVERLAP = {"EPSERVE_SINK": "EpPeerSinkCountingOffNode", "EPSERVE_GEMM_OFFNODE_FI
 BULK = {"EPSERVE_SINK": "EpPeerSinkBulk", "EPSERVE_SINK_BULK": 1}
 FP8_GEMM_SOURCE = "gemm/grouped_gemm_fp8.cu"  # block-scaled e4m3 wgmma, the bf16 wgmma GEMM's structure
 # The shipped FP8 GEMM builds' knobs: split tails, no overlapped promotion, padding rows
-# loaded as zeros, tiles handed out by L2 side (epserve/runtime/l2_sides.py; the table is
-# written into each loaded module) (epserve/ffn/gemm_fp8.py KNOBS["split"] is this build).
+# loaded as zeros, tiles handed out by L2 side (epserve/runtime/l2_sides.py writes the side
+# table into each loaded module); epserve/ffn/gemm_fp8.py KNOBS["split"] is this build.
 FP8_SHIPPED = {"EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_OVERLAP": 0, "EPSERVE_GEMM_FP8_ZERO_PADDING": 1,
                "EPSERVE_GEMM_FP8_L2_SIDES": 1}
 FP8_QUANTIZE_SOURCE = "ffn/quantize_fp8.cu"
@@ -59,6 +59,8 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     "quantize_fp8": (FP8_QUANTIZE_SOURCE, {}),
     # which L2 side each SM is on, for the FP8 GEMMs' tile order (epserve/runtime/l2_sides.py)
     "l2_sides_probe": ("probes/l2_sides.cu", {}),
+    # the SM clock after each benchmark row (epserve/bench/clock.py)
+    "sm_clock_probe": ("probes/sm_clock.cu", {}),
     "combine": (COMBINE_SOURCE, {}),
     "rows": (ROWS_SOURCE, {}),
     "swiglu": (SWIGLU_SOURCE, {}),

@@ -5,8 +5,8 @@ Hopper's L2 is two partitions joined by a fabric. An SM reads through its near p
 and lines homed in the far one cross the fabric once for each side whose SMs read them. The
 FP8 GEMMs' busiest L2 unit is that fabric. Given each SM's side, the GEMM hands the front of
 its tile order to one side's CTAs and the back to the other's, so each expert's weights are
-mostly read on one side. That cut fabric traffic by a third, and the GEMMs took 1-2.6% less
-time when timed as the bench times them (notes/gemm.md, fifteenth and twenty-second
+mostly read on one side. That cut fabric traffic by a third, and took 0.9-2.7% off GEMM 1
+and 0.4-1.7% off GEMM 2 when timed as the bench times them (notes/gemm.md, fifteenth and twenty-second
 sessions).
 
 The side of an SM is not a function of its %smid that holds across parts: the table differs

@@ -64,7 +64,7 @@ def test_sm_clock_probe_compiles(cache):
     against the global timer."""
     from epserve.bench import clock
 
-    ptx = build.compile_source(clock.SOURCE).ptx.read_text()
+    ptx = build.compile_source(*kernels.VARIANTS[clock.VARIANT]).ptx.read_text()
     assert f".entry {clock.KERNEL}" in ptx and "%globaltimer" in ptx and "%clock64" in ptx
 
 
