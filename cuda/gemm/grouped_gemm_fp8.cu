@@ -119,6 +119,15 @@
 //   (epserve/runtime/l2_sides.py writes the measured one, or zeros) gives them. Shipped since
 //   the twenty-second session: fabric traffic down a third, time unchanged at the power limit
 //   (fifteenth session), and GEMM 1 0.9-2.7%, GEMM 2 0.4-1.7% faster timed as the bench times them.
+// - EPSERVE_GEMM_FP8_PUBLISH_TILE=1 (shipped): the producer, which decodes each tile it takes
+//   anyway, writes the decoded tile (expert, rows, columns) beside its index in the tile's
+//   first stage, and prefetches the lines of the tile's weight scales into the SM's L1; the
+//   consumers read the tile from shared memory instead of decoding it again (a binary search
+//   over the experts and two global loads on their path into every tile). Same bits: the same
+//   tile. Shipped since the twenty-third session: GEMM 2 0.8-2.2% faster, GEMM 1 0.4-1.3%,
+//   timed as the bench times them (notes/gemm.md).
+// Diagnostic build: EPSERVE_GEMM_FP8_TRACE=1 stamps %clock64 at points of each tile into
+// epserve_gemm_trace (below); launch/jobs/trace_gemm_fp8.py reads them.
 #ifndef EPSERVE_GEMM_FP8_SPLIT_TAILS
 #define EPSERVE_GEMM_FP8_SPLIT_TAILS 0
 #endif
@@ -149,6 +158,12 @@
 #ifndef EPSERVE_GEMM_FP8_ZERO_PADDING
 #define EPSERVE_GEMM_FP8_ZERO_PADDING 0
 #endif
+#ifndef EPSERVE_GEMM_FP8_TRACE
+#define EPSERVE_GEMM_FP8_TRACE 0
+#endif
+#ifndef EPSERVE_GEMM_FP8_PUBLISH_TILE
+#define EPSERVE_GEMM_FP8_PUBLISH_TILE 0
+#endif
 
 namespace {
 
@@ -165,6 +180,10 @@ constexpr int kConsumers = 2, kConsumerThreads = 128 * kConsumers;
 constexpr bool kReleaseByWarpgroup = EPSERVE_GEMM_FP8_RELEASE_BY_WARPGROUP != 0;
 constexpr bool kZeroPadding = EPSERVE_GEMM_FP8_ZERO_PADDING != 0;
 constexpr bool kL2Sides = EPSERVE_GEMM_FP8_L2_SIDES != 0;
+constexpr bool kPublishTile = EPSERVE_GEMM_FP8_PUBLISH_TILE != 0;
+// A tile's first stage carries its index, and with kPublishTile its coordinates as the
+// producer decoded them (index, expert, m_abs, m_end, n_abs, rows).
+constexpr int kStageTileInts = kPublishTile ? 6 : 1;
 // The arrivals that free a stage: one per consumer thread (the consumers' `release` says why).
 constexpr int kStageReleases = kReleaseByWarpgroup ? kConsumers : kConsumerThreads;
 constexpr int kThreads = 128 * (kConsumers + 1);
@@ -220,7 +239,8 @@ struct OutTile {
 constexpr int kSmemLimit = 227 * 1024;
 constexpr int kStaticSmem = Sink::kEnabled ? 2048 : 0;
 constexpr int kMaxStages = 6;
-constexpr int kTailBytes = 2 * kMaxStages * 8 + 32 + kMaxStages * 4 + (EPSERVE_MAX_LOCAL_EXPERTS + 1) * 4;
+constexpr int kTailBytes =
+    2 * kMaxStages * 8 + 32 + kMaxStages * kStageTileInts * 4 + (EPSERVE_MAX_LOCAL_EXPERTS + 1) * 4;
 constexpr int kStageBytes = kStageA + kStageB + kStageScales;
 constexpr int kFitStages = (kSmemLimit - kStaticSmem - OutTile::kBytes - kTailBytes) / kStageBytes;
 constexpr int kStages = kFitStages < kMaxStages ? kFitStages : kMaxStages;
@@ -305,6 +325,29 @@ extern "C" {
 __device__ unsigned char epserve_gemm_sm_side[256];
 }
 
+// EPSERVE_GEMM_FP8_TRACE (a diagnostic build): %clock64 at points of each tile, for the first
+// kTraceCtas CTAs and kTraceTiles tiles of each, by predicated stores (no branch in the tile
+// loop). Slots: 0-3 the first consumer warpgroup before its tile's first wait, after it, after
+// the k-loop, after the hand-over; 4-5 the same warpgroup after its k-blocks 0 and 1 (whole
+// 128-row tiles); 6-7 the producer before taking the tile from the counter and after decoding it.
+constexpr bool kTrace = EPSERVE_GEMM_FP8_TRACE != 0;
+constexpr int kTraceCtas = 132, kTraceTiles = 128, kTraceSlots = 8;
+extern "C" {
+__device__ long long epserve_gemm_trace[kTrace ? kTraceCtas * kTraceTiles * kTraceSlots : 1];
+}
+__device__ __forceinline__ void trace_point(bool on, int seq, int slot) {
+  if constexpr (kTrace) {
+    long long t;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t));
+    const int i = (min(static_cast<int>(blockIdx.x), kTraceCtas - 1) * kTraceTiles + min(seq, kTraceTiles - 1)) *
+                      kTraceSlots + slot;
+    const bool p = on && blockIdx.x < kTraceCtas && seq < kTraceTiles;
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p st.global.u64 [%1], %2;\n}\n" ::"r"(static_cast<int>(p)),
+                 "l"(epserve_gemm_trace + i), "l"(t)
+                 : "memory");
+  }
+}
+
 extern "C" __constant__ int epserve_gemm_smem_bytes = kSmemBytes;
 extern "C" __constant__ int epserve_gemm_l2_sides = kL2Sides;
 extern "C" __constant__ int epserve_gemm_threads = kThreads;
@@ -334,8 +377,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(out_tile + OutTile::kBytes);
   uint64_t* empty = full + kStages;
   SendMailbox* mailbox = reinterpret_cast<SendMailbox*>(full + 2 * kMaxStages);
-  int* stage_tile = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(mailbox) + 32);  // [kMaxStages]
-  int* mtile_prefix = stage_tile + kMaxStages;
+  int* stage_tile = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(mailbox) + 32);  // [kMaxStages][kStageTileInts]
+  int* mtile_prefix = stage_tile + kMaxStages * kStageTileInts;
 
   if (threadIdx.x == 0) {
     if (smem_u32(smem) & 1023u) __trap();  // the 128-byte swizzle's pattern is tied to 1024-byte alignment
@@ -401,8 +444,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
         side = epserve_gemm_sm_side[smid & 255];
       }
+      int seq = 0;  // tiles so far (EPSERVE_GEMM_FP8_TRACE)
       for (;;) {
         int index;
+        trace_point(true, seq, 6);
         if constexpr (kL2Sides) {  // counts taken from the front (low word) and from the back
           const unsigned long long taken = atomicAdd(reinterpret_cast<unsigned long long*>(tile_counter),
                                                      side ? 1ull << 32 : 1ull);
@@ -414,7 +459,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         }
         if (index >= sched.total_tiles) {
           mbarrier_wait(&empty[stage], phase ^ 1);
-          stage_tile[stage] = -1;
+          stage_tile[stage * kStageTileInts] = -1;
           mbarrier_expect_tx(&full[stage], 0);
           // The last CTA to stop resets the counters for the next launch on the stream (with
           // kL2Sides, words 0 and 1 are the 64-bit tile counter, word 2 counts the stops).
@@ -426,12 +471,36 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           break;
         }
         const GroupedTile t = sched.tile(index);
+        trace_point(true, seq++, 7);  // after the tile's coordinates: after the counter's answer
+        if constexpr (kPublishTile) {
+          // The lines of the tile's weight scales into this SM's L1, where the consumers'
+          // __ldg of them at the tile's first k-block will find them.
+          const float* sb = b_scales + static_cast<long long>(t.expert) * (b_rows / kHalfN) * k_blocks;
+          const int nb0 = t.n_abs / kHalfN, nb1 = kSwiGLU ? (N + t.n_abs) / kHalfN : nb0 + 1;
+          const bool second = kSwiGLU || (kBN == 256 && t.n_abs + kHalfN < N);
+          for (int h = 0; h < (second ? 2 : 1); ++h) {
+            const char* p = reinterpret_cast<const char*>(sb + static_cast<long long>(h ? nb1 : nb0) * k_blocks);
+            for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{127};
+                 a < reinterpret_cast<uintptr_t>(p) + 4 * k_blocks; a += 128)
+              asm volatile("prefetch.global.L1 [%0];" ::"l"(a));
+          }
+        }
         const int a_boxes = t.rows > 64 ? 2 : 1;  // a tail of at most 64 rows loads (and computes) one half
         const int b_row = t.expert * b_rows + t.n_abs;
         const TensorMap* a_map = &map_a;
         for (int kt = 0; kt < k_blocks; ++kt) {
           mbarrier_wait(&empty[stage], phase ^ 1);  // every consumer thread is done with the stage
-          if (kt == 0) stage_tile[stage] = index;
+          if (kt == 0) {
+            int* st = stage_tile + stage * kStageTileInts;
+            st[0] = index;
+            if constexpr (kPublishTile) {
+              st[1] = t.expert;
+              st[2] = t.m_abs;
+              st[3] = t.m_end;
+              st[4] = t.n_abs;
+              st[5] = t.rows;
+            }
+          }
           if (kZeroPadding && kt == 0 && t.m_abs + 64 * a_boxes > t.m_end) {
             // Rows past the expert's end (the next expert's) load as zeros: the same sums for
             // the tile's real rows, and zeros switch the tensor cores' multipliers less.
@@ -502,11 +571,24 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     float part[64];
     float part2_n128[64];  // EPSERVE_GEMM_FP8_OVERLAP's second part with 128-wide tiles (other builds never touch it)
     bool tile_pending = false;  // the writer warps still hold the shared output tile
+    int seq = 0;  // tiles so far (EPSERVE_GEMM_FP8_TRACE)
     for (;;) {
+      trace_point(tid == 0, seq, 0);
       mbarrier_wait(&full[stage], phase);  // the tile's first stage (the k-loop's wait returns at once)
-      const int index = stage_tile[stage];
+      trace_point(tid == 0, seq, 1);
+      const int* st = stage_tile + stage * kStageTileInts;
+      const int index = st[0];
       if (index < 0) break;
-      const GroupedTile t = sched.tile(index);
+      GroupedTile t;
+      if constexpr (kPublishTile) {
+        t.expert = st[1];
+        t.m_abs = st[2];
+        t.m_end = st[3];
+        t.n_abs = st[4];
+        t.rows = st[5];
+      } else {
+        t = sched.tile(index);
+      }
       // The weight scale rows of the tile's two halves: the gate block and its up block, or
       // two neighbouring blocks; GEMM 2's last tile may have no second half.
       const bool second_half = kSwiGLU || (kBN == 256 && t.n_abs + kHalfN < N);
@@ -611,6 +693,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             release(stage);
             if constexpr (kMma) promote<64>(sum, part, a_lo * b_scale1, a_hi * b_scale1);
           }
+          if constexpr (kTrace) trace_point(tid == 0 && kt < 2, seq, 4 + min(kt, 1));
           advance();
         }
       } else {  // no rows in this warpgroup's half: free the stages for the producer
@@ -621,6 +704,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         }
       }
 
+      trace_point(tid == 0, seq++, 2);
       if constexpr (Sink::kEnabled) {
         if (gate < 0) continue;  // the peer sink gated off: the math alone
       }
@@ -666,6 +750,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       const SmemTile tile{reinterpret_cast<const bf16_t*>(out_tile), OutTile::kLd, t.rows, min(kOutCols, N - t.n_abs)};
       if constexpr (kSendWarps) Sink::template hand_over<kConsumerThreads>(mailbox, tile, t.m_abs, t.n_abs, tid);
       else CMailbox::hand_over(mailbox, tile, t.m_abs, t.n_abs, tid);
+      trace_point(tid == 0, seq - 1, 3);
       tile_pending = true;
     }
     if constexpr (kSendWarps) {

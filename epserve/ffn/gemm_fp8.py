@@ -34,13 +34,14 @@ _NO_PEERS = launch_arg(np.zeros(1, PEER_SEND_CONFIG))
 # a dense problem on one H200 (notes/gemm.md, ninth session: GEMM 1 had shipped
 # "split+overlap", 4-5% slower there), with the padding rows past an expert's end loaded as
 # zeros (fifteenth session: 1.5-1.8% on GEMM 1 by power alone) and tiles handed out by L2 side
-# (twenty-second session: GEMM 1 0.9-2.7% and GEMM 2 0.4-1.7% faster, timed as the bench times them); "plain" is the
+# (twenty-second session: GEMM 1 0.9-2.7% and GEMM 2 0.4-1.7% faster, timed as the bench times them) and the
+# producer's decoded tile published to the consumers (twenty-third session: GEMM 2 0.8-2.2%); "plain" is the
 # build without any of them.
 # launch/jobs/time_gemm_fp8.py --variants times them against the shipped ones,
 # tests/gpu/test_gemm_fp8.py holds each to the shipped build's bits, tests/cpu/test_build.py
 # compiles them. Names with "n128" are GEMM 2's only (the kernel refuses them with SwiGLU).
 _PLAIN = {"EPSERVE_GEMM_FP8_SPLIT_TAILS": 0, "EPSERVE_GEMM_FP8_OVERLAP": 0, "EPSERVE_GEMM_FP8_ZERO_PADDING": 0,
-          "EPSERVE_GEMM_FP8_L2_SIDES": 0}
+          "EPSERVE_GEMM_FP8_L2_SIDES": 0, "EPSERVE_GEMM_FP8_PUBLISH_TILE": 0}
 KNOBS: dict[str, dict[str, int]] = {
     "plain": _PLAIN,
     "split": {**_PLAIN, **FP8_SHIPPED},
@@ -50,7 +51,9 @@ KNOBS: dict[str, dict[str, int]] = {
     "n128": {**_PLAIN, "EPSERVE_GEMM_FP8_BN": 128},
     "n128+overlap": {**_PLAIN, "EPSERVE_GEMM_FP8_BN": 128, "EPSERVE_GEMM_FP8_OVERLAP": 1},
     # the shipped build until the twenty-second session: every CTA takes tiles from the front
-    "split-nosides": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_L2_SIDES": 0},
+    "split-nosides": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_L2_SIDES": 0, "EPSERVE_GEMM_FP8_PUBLISH_TILE": 0},
+    # the shipped build until the twenty-third session: the consumers decode each tile themselves
+    "split-unpublished": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_PUBLISH_TILE": 0},
 }
 SHIPPED = {"gemm_fp8_null": "split", "gemm_fp8_peer": "split", "gemm1_fp8_swiglu": "split"}
 

@@ -29,7 +29,7 @@ FP8_GEMM_SOURCE = "gemm/grouped_gemm_fp8.cu"  # block-scaled e4m3 wgmma, the bf1
 # loaded as zeros, tiles handed out by L2 side (epserve/runtime/l2_sides.py writes the side
 # table into each loaded module); epserve/ffn/gemm_fp8.py KNOBS["split"] is this build.
 FP8_SHIPPED = {"EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_OVERLAP": 0, "EPSERVE_GEMM_FP8_ZERO_PADDING": 1,
-               "EPSERVE_GEMM_FP8_L2_SIDES": 1}
+               "EPSERVE_GEMM_FP8_L2_SIDES": 1, "EPSERVE_GEMM_FP8_PUBLISH_TILE": 1}
 FP8_QUANTIZE_SOURCE = "ffn/quantize_fp8.cu"
 
 # name -> (source, defines)

@@ -98,6 +98,7 @@ FP8_PROBE_KNOBS = [
     {"EPSERVE_GEMM_FP8_CHECK_TMA": 1},
     {"EPSERVE_GEMM_FP8_UNALIGNED_SCALES": 1},
     {"EPSERVE_GEMM_FP8_RELEASE_BY_WARPGROUP": 1},  # the pre-fix stage release (launch/jobs/check_fp8_race.py)
+    {"EPSERVE_GEMM_FP8_TRACE": 1},  # %clock64 stamps of each tile (launch/jobs/trace_gemm_fp8.py)
 ]
 
 

@@ -1,0 +1,141 @@
+"""Where a tile's time goes in the FP8 GEMMs, from the EPSERVE_GEMM_FP8_TRACE build's %clock64
+stamps (cuda/gemm/grouped_gemm_fp8.cu says which point each slot marks), on one GPU:
+
+    python launch/jobs/trace_gemm_fp8.py [--problems dense8192,dense2048,gemm2,gemm1] [--no-loads]
+
+Problems: denseK is one expert of 8192 x 8192 with K = K; gemm2 and gemm1 are dsv3-prefill at
+rank 0 of 2's balanced rows (32777 rows over 128 experts), GEMM 2 with the null sink (storing
+C) and GEMM 1 with SwiGLU. Each build is launched as the bench launches it (idle 0.25 s, three
+calls, then the traced one), and the last launch's stamps are read back. --no-loads adds the
+same build with no TMA load at all (the ring holds whatever it held: the time of the math and
+the hand-overs alone). Cycles are the SM's own (%clock64), medians over the traced tiles of
+whole-tile rows where it matters (k-blocks 0 and 1).
+
+Read with the bench-style times of the builds (the first column): the trace costs a few
+instructions a k-block. notes/gemm.md, twenty-third session, has what it showed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+CTAS, TILES, SLOTS = 132, 128, 8  # cuda/gemm/grouped_gemm_fp8.cu: kTraceCtas, kTraceTiles, kTraceSlots
+TRACE = {"EPSERVE_GEMM_FP8_TRACE": 1}
+NO_LOADS = {"EPSERVE_GEMM_FP8_TRACE": 1, "EPSERVE_GEMM_FP8_TMA_LOADS": 0}
+
+
+def summarize(stamps: np.ndarray, k_blocks: int) -> dict:
+    """Per-tile spans (cycles) from stamps [CTAS, TILES, SLOTS]; a slot never written is 0. A
+    tile counts where the first consumer warpgroup stamped its start, its first wait and its
+    k-loop's end (the stop entry after a CTA's last tile has no k-loop end). Returns lists of
+    cycles by name, and the per-k-block median of the k-loops."""
+    s = stamps.astype(np.int64)
+    tile = (s[:, :, 0] > 0) & (s[:, :, 1] > 0) & (s[:, :, 2] > 0)
+    handed = tile & (s[:, :, 3] > 0)
+    out = {
+        "first-stage wait": s[:, :, 1][tile] - s[:, :, 0][tile],
+        "k-loop": s[:, :, 2][tile] - s[:, :, 1][tile],
+        "epilogue + hand-over": s[:, :, 3][handed] - s[:, :, 2][handed],
+        "hand-over to next tile": (s[:, 1:, 0] - s[:, :-1, 3])[handed[:, :-1] & tile[:, 1:]],
+    }
+    whole = tile & (s[:, :, 4] > 0) & (s[:, :, 5] > 0)
+    out["k-block 0"] = s[:, :, 4][whole] - s[:, :, 1][whole]
+    out["k-block 1"] = s[:, :, 5][whole] - s[:, :, 4][whole]
+    taken = (s[:, :, 6] > 0) & (s[:, :, 7] > 0)
+    out["producer: take + decode"] = s[:, :, 7][taken] - s[:, :, 6][taken]
+    out["producer's take to consumers' start"] = s[:, :, 1][tile & taken] - s[:, :, 7][tile & taken]
+    out["tiles per CTA"] = tile.sum(axis=1)
+    out["per k-block"] = float(np.median(out["k-loop"])) / k_blocks if out["k-loop"].size else float("nan")
+    return out
+
+
+def print_summary(label: str, us: float, summary: dict) -> None:
+    tiles = summary["tiles per CTA"]
+    print(f"## {label}: {us:.0f} us (the traced launch), {tiles.min()}-{tiles.max()} tiles a CTA, k-loop "
+          f"{summary['per k-block']:.0f} cycles a k-block (median)")
+    for name, v in summary.items():
+        if name in ("tiles per CTA", "per k-block") or not len(v):
+            continue
+        p10, p50, p90 = np.percentile(v, [10, 50, 90])
+        print(f"   {name:<38} p10 {p10:8.0f}   p50 {p50:8.0f}   p90 {p90:8.0f}")
+
+
+def traced_launch(variant: str, fn):
+    """(us of the last launch, its stamps): idle, three calls, the stamps zeroed, one more."""
+    import cupy
+
+    from epserve.runtime import kernels
+
+    mem = kernels.module(variant).get_global("epserve_gemm_trace")
+    stamps = cupy.ndarray((CTAS * TILES * SLOTS,), np.int64, memptr=mem)
+    time.sleep(0.25)
+    for _ in range(3):
+        fn()
+    stamps[:] = 0
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) * 1e3, stamps.get().reshape(CTAS, TILES, SLOTS)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--problems", default="dense8192,dense2048,gemm2,gemm1")
+    p.add_argument("--no-loads", action="store_true", help="also the build without TMA loads")
+    args = p.parse_args()
+
+    import cupy
+    from time_gemm import rows_per_expert  # launch/jobs/time_gemm.py
+
+    from epserve.arrays import BF16
+    from epserve.bench import presets
+    from epserve.ffn import fp8, gemm_fp8
+
+    builds = {"trace": TRACE, **({"trace, no loads": NO_LOADS} if args.no_loads else {})}
+
+    def variant(base, build):
+        gemm_fp8.KNOBS[build] = {**gemm_fp8.KNOBS[gemm_fp8.SHIPPED[base]], **builds[build]}
+        return gemm_fp8.register_knob(base, build)
+
+    rs = cupy.random.RandomState(5)
+    preset = presets.get_preset("dsv3-prefill")
+    H, I, E = preset.hidden, preset.intermediate, preset.num_experts // 2
+    for prob in args.problems.split(","):
+        if prob.startswith("dense"):
+            K, M, N, experts = int(prob[len("dense"):]), 8192, 8192, 1
+            offsets = cupy.asarray(np.array([0, M], np.int32))
+        else:
+            rows = rows_per_expert("balanced", preset, 2, 1)
+            offsets_host = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
+            M, experts, offsets = int(offsets_host[-1]), E, cupy.asarray(offsets_host)
+            N, K = {"gemm2": (H, I), "gemm1": (2 * I, H)}[prob]
+        a_q, a_s = fp8.quantize_rows(rs.standard_normal((M, K), dtype=np.float32).astype(BF16))
+        b_q, b_s = fp8.quantize_blocks(
+            (rs.standard_normal((experts, N, K), dtype=np.float32) / np.sqrt(K)).astype(BF16))
+        for build in builds:
+            if prob == "gemm1":
+                v = variant("gemm1_fp8_swiglu", build)
+                act, act_s = cupy.zeros((M, N // 2), np.uint8), cupy.zeros((N // 2 // 128, (M + 3) // 4 * 4), np.float32)
+                specs = gemm_fp8._specs(v, a_q, a_s, b_q, b_s, experts * N, act, act_s, offsets, experts, N // 2, K,
+                                        gemm_fp8._NO_PEERS, 0)
+            else:
+                v = variant("gemm_fp8_null", build)
+                C = cupy.empty((M, N), BF16)
+                specs = gemm_fp8._specs(v, a_q, a_s, b_q, b_s, experts * N, C, None, offsets, experts, N, K,
+                                        gemm_fp8._NO_PEERS, 0)
+            us, stamps = traced_launch(v, lambda specs=specs: gemm_fp8.run(specs))
+            print_summary(f"{prob}, {build}", us, summarize(stamps, K // 128))
+        del a_q, a_s, b_q, b_s
+
+
+if __name__ == "__main__":
+    main()
