@@ -126,6 +126,12 @@
 //   over the experts and two global loads on their path into every tile). Same bits: the same
 //   tile. Shipped since the twenty-third session: GEMM 2 0.8-2.2% faster, GEMM 1 0.4-1.3%,
 //   timed as the bench times them (notes/gemm.md).
+// - EPSERVE_GEMM_FP8_SMEM_OFFSETS=1 (not yet timed): the scheduler keeps the expert offsets in
+//   shared memory (gemm/tile_scheduler.cuh), so the producer's decode of each tile makes no
+//   global load. The twenty-third session's stamps put the producer's take and decode at
+//   ~3000 cycles on GEMM 2 (~1800 for one expert), on the path between a tile's last load and
+//   the next tile's first, whose late arrival is GEMM 2's largest cost per tile. Same bits:
+//   the same offsets.
 // Diagnostic build: EPSERVE_GEMM_FP8_TRACE=1 stamps %clock64 at points of each tile into
 // epserve_gemm_trace (below); launch/jobs/trace_gemm_fp8.py reads them.
 #ifndef EPSERVE_GEMM_FP8_SPLIT_TAILS
@@ -164,6 +170,9 @@
 #ifndef EPSERVE_GEMM_FP8_PUBLISH_TILE
 #define EPSERVE_GEMM_FP8_PUBLISH_TILE 0
 #endif
+#ifndef EPSERVE_GEMM_FP8_SMEM_OFFSETS
+#define EPSERVE_GEMM_FP8_SMEM_OFFSETS 0
+#endif
 
 namespace {
 
@@ -184,6 +193,7 @@ constexpr bool kPublishTile = EPSERVE_GEMM_FP8_PUBLISH_TILE != 0;
 // A tile's first stage carries its index, and with kPublishTile its coordinates as the
 // producer decoded them (index, expert, m_abs, m_end, n_abs, rows).
 constexpr int kStageTileInts = kPublishTile ? 6 : 1;
+constexpr bool kSmemOffsets = EPSERVE_GEMM_FP8_SMEM_OFFSETS != 0;
 // The arrivals that free a stage: one per consumer thread (the consumers' `release` says why).
 constexpr int kStageReleases = kReleaseByWarpgroup ? kConsumers : kConsumerThreads;
 constexpr int kThreads = 128 * (kConsumers + 1);
@@ -239,14 +249,14 @@ struct OutTile {
 constexpr int kSmemLimit = 227 * 1024;
 constexpr int kStaticSmem = Sink::kEnabled ? 2048 : 0;
 constexpr int kMaxStages = 6;
-constexpr int kTailBytes =
-    2 * kMaxStages * 8 + 32 + kMaxStages * kStageTileInts * 4 + (EPSERVE_MAX_LOCAL_EXPERTS + 1) * 4;
+constexpr int kTailBytes = 2 * kMaxStages * 8 + 32 + kMaxStages * kStageTileInts * 4 +
+                           (EPSERVE_MAX_LOCAL_EXPERTS + 1) * 4 * (kSmemOffsets ? 2 : 1);
 constexpr int kStageBytes = kStageA + kStageB + kStageScales;
 constexpr int kFitStages = (kSmemLimit - kStaticSmem - OutTile::kBytes - kTailBytes) / kStageBytes;
 constexpr int kStages = kFitStages < kMaxStages ? kFitStages : kMaxStages;
 static_assert(kStages >= 2, "shared memory");
 constexpr int kSmemBytes = kStages * kStageBytes + OutTile::kBytes + kTailBytes;
-using Scheduler = GroupedTileScheduler<kBM, kOutCols, EPSERVE_GROUP_N>;
+using Scheduler = GroupedTileScheduler<kBM, kOutCols, EPSERVE_GROUP_N, kSmemOffsets>;
 
 struct alignas(64) TensorMap {
   unsigned long long opaque[16];
@@ -379,6 +389,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   SendMailbox* mailbox = reinterpret_cast<SendMailbox*>(full + 2 * kMaxStages);
   int* stage_tile = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(mailbox) + 32);  // [kMaxStages][kStageTileInts]
   int* mtile_prefix = stage_tile + kMaxStages * kStageTileInts;
+  int* smem_offsets = mtile_prefix + EPSERVE_MAX_LOCAL_EXPERTS + 1;  // EPSERVE_GEMM_FP8_SMEM_OFFSETS
 
   if (threadIdx.x == 0) {
     if (smem_u32(smem) & 1023u) __trap();  // the 128-byte swizzle's pattern is tied to 1024-byte alignment
@@ -389,7 +400,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     fence_mbarrier_init();
   }
   Scheduler sched;
-  sched.init(expert_offsets, num_experts, N, mtile_prefix);  // its __syncthreads publishes the barriers too
+  sched.init(expert_offsets, num_experts, N, mtile_prefix, smem_offsets);  // its __syncthreads publishes the barriers too
   const int k_blocks = K / kBK;
   const int b_rows = kSwiGLU ? 2 * N : N;  // B rows per expert
   // Read through a shuffle so the compiler knows it is warp-uniform (the bf16 kernel says why).

@@ -54,6 +54,8 @@ KNOBS: dict[str, dict[str, int]] = {
     "split-nosides": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_L2_SIDES": 0, "EPSERVE_GEMM_FP8_PUBLISH_TILE": 0},
     # the shipped build until the twenty-third session: the consumers decode each tile themselves
     "split-unpublished": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_PUBLISH_TILE": 0},
+    # the expert offsets in shared memory for the tile decode (built in the twenty-third session, not yet timed)
+    "split+offsets": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_SMEM_OFFSETS": 1},
 }
 SHIPPED = {"gemm_fp8_null": "split", "gemm_fp8_peer": "split", "gemm1_fp8_swiglu": "split"}
 

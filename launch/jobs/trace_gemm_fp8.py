@@ -94,11 +94,10 @@ def main():
     args = p.parse_args()
 
     import cupy
-    from time_gemm import rows_per_expert  # launch/jobs/time_gemm.py
+    from ab_gemm_fp8 import problem_operands  # launch/jobs/ab_gemm_fp8.py
 
     from epserve.arrays import BF16
-    from epserve.bench import presets
-    from epserve.ffn import fp8, gemm_fp8
+    from epserve.ffn import gemm_fp8
 
     builds = {"trace": TRACE, **({"trace, no loads": NO_LOADS} if args.no_loads else {})}
 
@@ -107,20 +106,8 @@ def main():
         return gemm_fp8.register_knob(base, build)
 
     rs = cupy.random.RandomState(5)
-    preset = presets.get_preset("dsv3-prefill")
-    H, I, E = preset.hidden, preset.intermediate, preset.num_experts // 2
     for prob in args.problems.split(","):
-        if prob.startswith("dense"):
-            K, M, N, experts = int(prob[len("dense"):]), 8192, 8192, 1
-            offsets = cupy.asarray(np.array([0, M], np.int32))
-        else:
-            rows = rows_per_expert("balanced", preset, 2, 1)
-            offsets_host = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
-            M, experts, offsets = int(offsets_host[-1]), E, cupy.asarray(offsets_host)
-            N, K = {"gemm2": (H, I), "gemm1": (2 * I, H)}[prob]
-        a_q, a_s = fp8.quantize_rows(rs.standard_normal((M, K), dtype=np.float32).astype(BF16))
-        b_q, b_s = fp8.quantize_blocks(
-            (rs.standard_normal((experts, N, K), dtype=np.float32) / np.sqrt(K)).astype(BF16))
+        M, N, K, experts, offsets, a_q, a_s, b_q, b_s = problem_operands(prob, rs)
         for build in builds:
             if prob == "gemm1":
                 v = variant("gemm1_fp8_swiglu", build)

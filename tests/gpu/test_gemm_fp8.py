@@ -347,7 +347,7 @@ def test_gemm2_fp8_peer_sink_scatters_the_null_builds_rows():
 FP8_KNOB_BUILDS = [("2", "plain"), ("2", "split"), ("2", "split-unzeroed"), ("2", "split+overlap"), ("2", "n128"),
                    ("2", "n128+overlap"), ("2", "split-nosides"), ("2", "split-unpublished"), ("1", "plain"),
                    ("1", "split"), ("1", "split-unzeroed"), ("1", "split+overlap"), ("1", "split-nosides"),
-                   ("1", "split-unpublished")]
+                   ("1", "split-unpublished"), ("2", "split+offsets"), ("1", "split+offsets")]
 
 
 @pytest.mark.parametrize("gemm,knob", FP8_KNOB_BUILDS)
@@ -364,7 +364,8 @@ def test_fp8_build_knobs_give_the_same_bits(knob, gemm, rows, K, monkeypatch):
     wgmmas in flight while kt is promoted, on both; nosides: every CTA takes tiles from the
     front of the order (the shipped build takes them by L2 side, with this GPU's measured
     table); unpublished: the consumers decode each tile from its index themselves (the shipped
-    build's producer writes the decoded tile beside the index). The rows hold tails of 1 .. 64 rows (split) and
+    build's producer writes the decoded tile beside the index); offsets: the tile decode reads
+    the expert offsets from shared memory. The rows hold tails of 1 .. 64 rows (split) and
     65 .. 127 (not), whole tiles, empty experts, and more tiles than SMs (a CTA meets split
     and unsplit tiles in turn); K from 1 to 5 k-blocks (the overlapped loop's two-a-pass body
     and both of its endings); GEMM 2's N = 384 leaves its last 256-wide column tile without a

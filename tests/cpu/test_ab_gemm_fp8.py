@@ -1,0 +1,37 @@
+"""launch/jobs/ab_gemm_fp8.py's ad hoc builds: a spec names its defines, and a define the FP8
+GEMM does not read is refused (it would time the shipped build under another name)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def job():
+    spec = importlib.util.spec_from_file_location("ab_gemm_fp8", ROOT / "launch" / "jobs" / "ab_gemm_fp8.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_build_spec_names_its_defines(job):
+    assert job.parse_build("noB:EPSERVE_GEMM_FP8_TMA_LOADS=3") == ("noB", {"EPSERVE_GEMM_FP8_TMA_LOADS": 3})
+    assert job.parse_build("x:EPSERVE_GEMM_FP8_MMA=0,EPSERVE_GROUP_N=8") == (
+        "x", {"EPSERVE_GEMM_FP8_MMA": 0, "EPSERVE_GROUP_N": 8})
+
+
+@pytest.mark.parametrize("spec", ["noB", "noB:", ":EPSERVE_GEMM_FP8_MMA=0", "x:EPSERVE_GEMM_FP8_MMA",
+                                  "x:MMA=0", "x:EPSERVE_GEMM_FP8_MMA=zero"])
+def test_malformed_specs_are_refused(job, spec):
+    with pytest.raises(ValueError):
+        job.parse_build(spec)
+
+
+def test_only_the_gemms_own_defines_pass(job):
+    source = (ROOT / "cuda" / "gemm" / "grouped_gemm_fp8.cu").read_text()
+    job.check_defines({"EPSERVE_GEMM_FP8_TMA_LOADS": 3, "EPSERVE_GEMM_FP8_TRACE": 1, "EPSERVE_GROUP_N": 8}, source)
+    with pytest.raises(ValueError, match="EPSERVE_GEMM_FP8_TMA_LOAD "):
+        job.check_defines({"EPSERVE_GEMM_FP8_TMA_LOAD": 3}, source)
