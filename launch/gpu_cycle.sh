@@ -24,6 +24,8 @@
 #                                              # FP8 stage-release race job, <= 9.5 min
 #   bash launch/gpu_cycle.sh rank-of-2         # one GPU standing in for a rank of two: the dsv3 presets
 #                                              # with 128 experts (bench --as-rank-of 2), ~1.5 min
+#   bash launch/gpu_cycle.sh gemm-ab           # one GPU: the FP8 GEMMs' knob builds against the shipped one,
+#                                              # timed as bench rows, and where a tile's cycles go, ~2 min
 # bench runs one rank per GPU (on one GPU: one rank, no link); run, fuzz and soak take two
 # ranks, sharing the GPU where there is one.
 set -uo pipefail
@@ -72,6 +74,12 @@ for s in "$@"; do
         rank-of-2) stage rank-of-2 "^#|^  [a-z]" env PYTHONPATH=. python3 launch/run.py -n 1 --timeout 300 -- \
                        python3 -m mpi4py -m epserve.bench --presets dsv3-prefill-fp8,dsv3-prefill --as-rank-of 2 \
                        --routing balanced --tokens 4096 --out "$out/rank-of-2" ;;
+        # The FP8 GEMMs' builds at the bench's clock, and per-tile stamps (notes/gemm.md,
+        # twenty-third session): GEMM_AB_BUILDS picks the builds (epserve.ffn.gemm_fp8.KNOBS).
+        gemm-ab) stage gemm-ab "^#|^gemm|^dense" env PYTHONPATH=. python3 launch/jobs/ab_gemm_fp8.py \
+                     --builds "${GEMM_AB_BUILDS:-split,split+offsets,split-unpublished}" --rounds 5
+                 stage gemm-trace "^##|wait|k-loop|k-block|hand-over|producer" env PYTHONPATH=. \
+                     python3 launch/jobs/trace_gemm_fp8.py --problems dense2048,gemm2,gemm1 ;;
         fuzz)  stage fuzz "^# fuzz|^FAIL" make fuzz COUNT=500 ;;
         soak)  stage soak "^# soak" make soak CALLS=1000 ;;
         sanitize) stage sanitize "^== |SUMMARY" make sanitize ;;
