@@ -124,8 +124,8 @@
 //   first stage, and prefetches the lines of the tile's weight scales into the SM's L1; the
 //   consumers read the tile from shared memory instead of decoding it again (a binary search
 //   over the experts and two global loads on their path into every tile). Same bits: the same
-//   tile. Shipped since the twenty-third session: GEMM 2 0.8-2.2% faster, GEMM 1 0.4-1.3%,
-//   timed as the bench times them (notes/gemm.md).
+//   tile. Shipped since the twenty-third session: GEMM 2 0.8-2.6% faster (4.6% in one run),
+//   GEMM 1 unchanged (-1.3% to +0.3%), timed as the bench times them (notes/gemm.md).
 // - EPSERVE_GEMM_FP8_SMEM_OFFSETS=1 (not yet timed): the scheduler keeps the expert offsets in
 //   shared memory (gemm/tile_scheduler.cuh), so the producer's decode of each tile makes no
 //   global load. The twenty-third session's stamps put the producer's take and decode at

@@ -35,8 +35,8 @@ _NO_PEERS = launch_arg(np.zeros(1, PEER_SEND_CONFIG))
 # "split+overlap", 4-5% slower there), with the padding rows past an expert's end loaded as
 # zeros (fifteenth session: 1.5-1.8% on GEMM 1 by power alone) and tiles handed out by L2 side
 # (twenty-second session: GEMM 1 0.9-2.7% and GEMM 2 0.4-1.7% faster, timed as the bench times them) and the
-# producer's decoded tile published to the consumers (twenty-third session: GEMM 2 0.8-2.2%); "plain" is the
-# build without any of them.
+# producer's decoded tile published to the consumers (twenty-third session: GEMM 2 0.8-2.6%, GEMM 1 unchanged);
+# "plain" is the build without any of them.
 # launch/jobs/time_gemm_fp8.py --variants times them against the shipped ones,
 # tests/gpu/test_gemm_fp8.py holds each to the shipped build's bits, tests/cpu/test_build.py
 # compiles them. Names with "n128" are GEMM 2's only (the kernel refuses them with SwiGLU).
