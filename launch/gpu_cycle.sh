@@ -75,11 +75,13 @@ for s in "$@"; do
                        python3 -m mpi4py -m epserve.bench --presets dsv3-prefill-fp8,dsv3-prefill --as-rank-of 2 \
                        --routing balanced --tokens 4096 --out "$out/rank-of-2" ;;
         # The FP8 GEMMs' builds at the bench's clock, and per-tile stamps (notes/gemm.md,
-        # twenty-third session): GEMM_AB_BUILDS picks the builds (epserve.ffn.gemm_fp8.KNOBS).
-        gemm-ab) stage gemm-ab "^#|^gemm|^dense" env PYTHONPATH=. python3 launch/jobs/ab_gemm_fp8.py \
-                     --builds "${GEMM_AB_BUILDS:-split,split+offsets,split-unpublished}" --rounds 5
+        # twenty-third session): GEMM_AB_KNOBS picks the builds beside the shipped one
+        # (epserve.ffn.gemm_fp8.KNOBS, space-separated).
+        gemm-ab) stage gemm-ab "^#|^problem|^gemm|^dense" env PYTHONPATH=. python3 launch/jobs/ab_gemm_fp8.py \
+                     --knobs ${GEMM_AB_KNOBS:-split+offsets split-unpublished} --problems gemm2 gemm1 dense2048 \
+                     --rounds 5
                  stage gemm-trace "^##|wait|k-loop|k-block|hand-over|producer" env PYTHONPATH=. \
-                     python3 launch/jobs/trace_gemm_fp8.py --problems dense2048,gemm2,gemm1 ;;
+                     python3 launch/jobs/trace_gemm_fp8.py --problems dense2048 gemm2 gemm1 ;;
         fuzz)  stage fuzz "^# fuzz|^FAIL" make fuzz COUNT=500 ;;
         soak)  stage soak "^# soak" make soak CALLS=1000 ;;
         sanitize) stage sanitize "^== |SUMMARY" make sanitize ;;

@@ -1,46 +1,42 @@
 """Builds of the FP8 GEMMs against each other, timed as the bench times its rows, on one GPU:
 
-    python launch/jobs/ab_gemm_fp8.py [--builds split,split-unpublished] [--problems gemm2,gemm1]
-        [--rounds 4] [--build 'noB:EPSERVE_GEMM_FP8_TMA_LOADS=3' ...]
+    python launch/jobs/ab_gemm_fp8.py [--knobs split-unpublished ...] [--build 'noB:EPSERVE_GEMM_FP8_TMA_LOADS=3']
+        [--problems gemm2 gemm1 dense8192] [--rounds 4]
 
-A build is a name of epserve.ffn.gemm_fp8.KNOBS ("split" is the shipped one), or, with
---build NAME:DEFINE=VALUE,..., the shipped build with those defines on top (diagnostic builds
-of cuda/gemm/grouped_gemm_fp8.cu, or a knob being tried). Problems:
-- gemm2: dsv3-prefill's GEMM 2 at rank 0 of 2's balanced rows (32777 rows over 128 experts),
-  twice: the peer build with its sink gated off (the bench's `gemm2` row: the k-loops alone)
-  and the null sink storing C;
-- gemm1: GEMM 1 + SwiGLU + act's quantization, same rows;
+The shipped build, each of `--knobs` (epserve.ffn.gemm_fp8.KNOBS) and each `--build
+NAME:DEFINE=VALUE,...` (the shipped build with those defines on top: a diagnostic build of
+cuda/gemm/grouped_gemm_fp8.cu, or a knob being tried). Problems, on the builds and outputs of
+launch/jobs/time_gemm_sustained.py (dsv3-prefill at rank 0 of 2's balanced rows, 32777 rows
+over 128 experts; outputs poisoned, #wrong against the shipped build):
+- gemm2: GEMM 2 with the null sink (storing C), and its peer build with the sink gated off
+  (the bench's `gemm2` row: the k-loops alone, writing nothing: #wrong "-");
+- gemm1: GEMM 1 + SwiGLU + act's quantization;
 - denseK: one expert of 8192 x 8192 with K = K (the null sink).
 
-Timing, the bench's way (epserve.bench.measure): after 0.25 s idle, 3 calls, then 10 with a
-wait after each, the median; the SM clock read right after (epserve.bench.clock). A round
-takes every (problem, build) in turn, the next round in reverse order; the table gives every
-round and their median. The bench's rows are shorter than the power controller's reaction, so
-they run near the top clock; a build's gain here need not survive a sustained run
-(launch/jobs/time_gemm_sustained.py), and the other way round (notes/gemm.md, twenty-second
-and twenty-third sessions). Rows differ by 2-5% from machine to machine: compare within a run.
-
-#wrong: elements (bytes of act for GEMM 1) differing from the shipped build's output on the
-same inputs; "-" for the gated rows, which write nothing.
+That job times builds in long blocks, at the power limit a serving layer runs them at; this one
+times them as the bench does (epserve.bench.events.samples_ms after 0.25 s idle: 3 calls, then
+10 with a wait after each, the median; the SM clock read right after, epserve.bench.clock), the
+builds alternated over the rounds (A B .. B A). The bench's rows run near the top clock, so a
+gain here need not survive a sustained run, and the other way round (notes/gemm.md,
+twenty-second and twenty-third sessions). Rows differ by 2-5% from machine to machine: compare
+within a run.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import numpy as np
+from time_gemm import rows_per_expert  # launch/jobs/time_gemm.py
+from time_gemm_fp8 import DenseFp8  # launch/jobs/time_gemm_fp8.py
+from time_gemm_sustained import block_order, fp8_builds, gemm1_runs, gemm2_runs, operands, wrong
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-SHIPPED = "split"
+SHIPPED = "FP8, shipped"  # time_gemm_sustained's name for the shipped build's row
 
 
 def parse_build(spec: str) -> tuple[str, dict[str, int]]:
-    """'NAME:DEF=V,DEF=V' -> (NAME, {DEF: V}); every define must be one the FP8 GEMM reads
-    (a misspelt one would time the shipped build under another name)."""
+    """'NAME:DEF=V,DEF=V' -> (NAME, {DEF: V})."""
     name, sep, defines = spec.partition(":")
     if not sep or not name or not defines:
         raise ValueError(f"--build {spec!r}: expected NAME:DEFINE=VALUE[,DEFINE=VALUE...]")
@@ -54,38 +50,63 @@ def parse_build(spec: str) -> tuple[str, dict[str, int]]:
 
 
 def check_defines(defines: dict[str, int], source: str) -> None:
+    """Every define is one the FP8 GEMM reads: a misspelt one would time the shipped build
+    under another name."""
     for key in defines:
         if f"#ifndef {key}\n" not in source:
             raise ValueError(f"{key} is not a define of cuda/gemm/grouped_gemm_fp8.cu")
 
 
-def problem_operands(prob: str, rs):
-    """(M, N, K, experts, offsets, a_q, a_s, b_q, b_s) of a problem (see the top of the file),
-    random operands quantized as the layer quantizes them. N is B's rows an expert (2I for
-    GEMM 1)."""
-    import cupy
-    from time_gemm import rows_per_expert  # launch/jobs/time_gemm.py
+def gated_runs(rs, offsets_host, weights, H, I, knobs):
+    """GEMM 2's peer build with the sink gated off, per build: (launch, no output, no reference)."""
+    from epserve.ffn import gemm_fp8
+    from epserve.runtime.kernel_structs import PEER_SEND_CONFIG
 
+    E = weights.w2.shape[0]
+    offsets, _, (a_q, a_s) = operands(rs, offsets_host, I)
+    gated_off = np.zeros(1, PEER_SEND_CONFIG)
+    runs = {}
+    for name, variant in fp8_builds("gemm_fp8_peer", knobs):
+        specs = gemm_fp8._specs(variant, a_q, a_s, weights.w2, weights.w2_scales, E * H, None, None, offsets, E, H,
+                                I, gated_off, -1)
+        runs[name] = (lambda specs=specs: gemm_fp8.run(specs), None, None)
+    return runs
+
+
+def dense_runs(rs, K: int, knobs):
+    """One expert of 8192 x 8192 x K per build: (launch, output, the shipped build's name)."""
+    import cupy
+
+    from epserve.arrays import BF16
+    from epserve.ffn import gemm_fp8
+
+    d = DenseFp8(rs, 8192, K)
+    runs = {}
+    for name, variant in fp8_builds("gemm_fp8_null", knobs):
+        c = cupy.full((d.n, d.n), np.nan, BF16)
+        runs[name] = (lambda specs=d.build_specs(variant, c): gemm_fp8.run(specs), (c,), SHIPPED)
+    return runs, d.flops
+
+
+def dsv3_rows_and_weights(rs, need_weights: bool):
+    """(H, I, rank 0 of 2's balanced offsets on the host, FP8 weights or None) of dsv3-prefill,
+    the weights drawn only where a problem needs them (GEMM 1's are 3.8 GB)."""
     from epserve.arrays import BF16
     from epserve.bench import presets
     from epserve.ffn import fp8
 
-    if prob.startswith("dense"):
-        K, M, N, experts = int(prob[len("dense"):]), 8192, 8192, 1
-        offsets = cupy.asarray(np.array([0, M], np.int32))
-    else:
-        preset = presets.get_preset("dsv3-prefill")
-        H, I = preset.hidden, preset.intermediate
-        rows = rows_per_expert("balanced", preset, 2, 1)
-        offsets_host = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
-        M, experts, offsets = int(offsets_host[-1]), preset.num_experts // 2, cupy.asarray(offsets_host)
-        N, K = {"gemm2": (H, I), "gemm1": (2 * I, H)}[prob]
-    a_q, a_s = fp8.quantize_rows(rs.standard_normal((M, K), dtype=np.float32).astype(BF16))
-    b_q, b_s = fp8.quantize_blocks((rs.standard_normal((experts, N, K), dtype=np.float32) / np.sqrt(K)).astype(BF16))
-    return M, N, K, experts, offsets, a_q, a_s, b_q, b_s
+    preset = presets.get_preset("dsv3-prefill")
+    H, I, E = preset.hidden, preset.intermediate, preset.num_experts // 2
+    offsets_host = np.concatenate([[0], np.cumsum(rows_per_expert("balanced", preset, 2, 1))]).astype(np.int32)
+    weights = None
+    if need_weights:
+        w13 = (rs.standard_normal((E, 2 * I, H), dtype=np.float32) / np.sqrt(H)).astype(BF16)
+        w2 = (rs.standard_normal((E, H, I), dtype=np.float32) / np.sqrt(I)).astype(BF16)
+        weights = fp8.quantize_weights(w13, w2)
+    return H, I, offsets_host, weights
 
 
-def bench_ms(fn, clock) -> tuple[float, float]:
+def bench_row(fn, clock) -> tuple[float, float]:
     """(median ms, MHz after) of fn timed as a bench row."""
     from epserve.bench.events import samples_ms
 
@@ -96,90 +117,74 @@ def bench_ms(fn, clock) -> tuple[float, float]:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--builds", default="split,split-unpublished", help="KNOBS names, comma-separated")
+    p.add_argument("--knobs", nargs="*", default=["split-unpublished"], help="epserve.ffn.gemm_fp8.KNOBS names")
     p.add_argument("--build", action="append", default=[], help="NAME:DEFINE=VALUE,... (the shipped build plus)")
-    p.add_argument("--problems", default="gemm2,gemm1")
+    p.add_argument("--problems", nargs="+", default=["gemm2", "gemm1"], help="gemm2, gemm1, denseK")
     p.add_argument("--rounds", type=int, default=4)
     args = p.parse_args()
 
     import cupy
 
-    from epserve.arrays import BF16
-    from epserve.bench import arithmetic, presets
     from epserve.bench.clock import SmClock
-    from epserve.bench.wrong import bitwise_wrong
     from epserve.ffn import gemm_fp8
     from epserve.runtime import build
-    from epserve.runtime.kernel_structs import PEER_SEND_CONFIG
 
     source = (build.find_cuda_root() / "gemm" / "grouped_gemm_fp8.cu").read_text()
-    builds = [b for b in args.builds.split(",") if b]
+    knobs = list(args.knobs)
     for spec in args.build:
         name, defines = parse_build(spec)
         check_defines(defines, source)
-        gemm_fp8.KNOBS[name] = {**gemm_fp8.KNOBS[SHIPPED], **defines}
-        builds.append(name)
-    if SHIPPED not in builds:
-        builds.insert(0, SHIPPED)
-    unknown = [b for b in builds if b not in gemm_fp8.KNOBS]
+        gemm_fp8.KNOBS[name] = {**gemm_fp8.KNOBS[gemm_fp8.SHIPPED["gemm_fp8_null"]], **defines}
+        knobs.append(name)
+    unknown = [k for k in knobs if k not in gemm_fp8.KNOBS]
     if unknown:
-        raise SystemExit(f"unknown builds {unknown}; KNOBS has {sorted(gemm_fp8.KNOBS)}")
+        p.error(f"unknown builds {unknown}; KNOBS has {sorted(gemm_fp8.KNOBS)}")
 
-    def variant(base, knob):
-        return gemm_fp8.register_knob(base, knob)
-
-    clock = SmClock()
     rs = cupy.random.RandomState(5)
-    preset = presets.get_preset("dsv3-prefill")
-    H, I, E = preset.hidden, preset.intermediate, preset.num_experts // 2
-    runs, flops = {}, {}  # label -> (fn, output or None, label of the shipped build's row)
-    for prob in args.problems.split(","):
-        M, N, K, experts, offsets, a_q, a_s, b_q, b_s = problem_operands(prob, rs)
-        for knob in builds:
-            if prob == "gemm1":
-                if not gemm_fp8.knob_applies("gemm1_fp8_swiglu", knob):
-                    continue
-                out = (cupy.zeros((M, I), np.uint8), cupy.zeros((I // 128, (M + 3) // 4 * 4), np.float32))
-                specs = gemm_fp8._specs(variant("gemm1_fp8_swiglu", knob), a_q, a_s, b_q, b_s, E * 2 * I, *out,
-                                        offsets, E, I, H, gemm_fp8._NO_PEERS, 0)
-                label, f = f"gemm1 {knob}", arithmetic.gemm1_flops(M, H, I)
-            else:
-                if prob == "gemm2":
-                    gated = gemm_fp8._specs(variant("gemm_fp8_peer", knob), a_q, a_s, b_q, b_s, experts * N, None,
-                                            None, offsets, experts, N, K, np.zeros(1, PEER_SEND_CONFIG), -1)
-                    runs[f"gemm2 gated {knob}"] = (lambda s=gated: gemm_fp8.run(s), None, None)
-                    flops[f"gemm2 gated {knob}"] = arithmetic.gemm2_flops(M, H, I)
-                out = (cupy.full((M, N), np.nan, BF16),)
-                specs = gemm_fp8._specs(variant("gemm_fp8_null", knob), a_q, a_s, b_q, b_s, experts * N, *out, None,
-                                        offsets, experts, N, K, gemm_fp8._NO_PEERS, 0)
-                label = f"{prob} {'null ' if prob == 'gemm2' else ''}{knob}"
-                f = arithmetic.gemm2_flops(M, H, I) if prob == "gemm2" else 2 * M * N * K
-            runs[label] = (lambda s=specs: gemm_fp8.run(s), out, label.rsplit(" ", 1)[0] + f" {SHIPPED}")
-            flops[label] = f
+    need_weights = any(prob in ("gemm1", "gemm2") for prob in args.problems)
+    H, I, offsets_host, weights = dsv3_rows_and_weights(rs, need_weights)
+    groups = []  # (problem, runs, flops): runs as time_gemm_sustained makes them
+    for prob in args.problems:
+        if prob == "gemm2":
+            runs, flops = gemm2_runs(rs, offsets_host, weights, H, I, knobs, None, [])
+            groups += [("gemm2 gated", gated_runs(rs, offsets_host, weights, H, I, knobs), flops),
+                       ("gemm2 null", runs, flops)]
+        elif prob == "gemm1":
+            groups.append(("gemm1", *gemm1_runs(rs, offsets_host, weights, H, I, knobs, None, [])))
+        elif prob.startswith("dense") and prob[len("dense"):].isdigit():
+            groups.append((prob, *dense_runs(rs, int(prob[len("dense"):]), knobs)))
+        else:
+            p.error(f"unknown problem {prob!r}")
 
-    for fn, _, _ in runs.values():
-        fn()
+    labels = [(g, name) for g, (_, runs, _) in enumerate(groups) for name in runs]
+    for g, name in labels:
+        groups[g][1][name][0]()
     cupy.cuda.Device().synchronize()
-    wrong = {label: ("-" if out is None else sum(bitwise_wrong(o, r) for o, r in zip(out, runs[ref][1])))
-             for label, (fn, out, ref) in runs.items()}
-    times = {label: [] for label in runs}
-    clocks = {label: [] for label in runs}
-    labels = list(runs)
+    clock = SmClock()
+    times = {label: [] for label in labels}
+    clocks = {label: [] for label in labels}
     for rnd in range(args.rounds):
-        for label in labels if rnd % 2 == 0 else labels[::-1]:
-            ms, mhz = bench_ms(runs[label][0], clock)
-            times[label].append(ms)
-            clocks[label].append(mhz)
+        for g, name in block_order(labels, rnd):
+            ms, mhz = bench_row(groups[g][1][name][0], clock)
+            times[(g, name)].append(ms)
+            clocks[(g, name)].append(mhz)
+
     dev = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    print(f"# FP8 GEMM builds on {dev}, timed as bench rows, {args.rounds} rounds alternated")
-    print(f"{'problem and build':<36}{'rounds (us)':<{7 * args.rounds + 2}}{'median us':>10}{'TFLOP/s':>9}"
-          f"{'MHz':>6}{'vs shipped':>11}{'#wrong':>10}")
-    for label in labels:
-        ms = float(np.median(times[label]))
-        ref = label.rsplit(" ", 1)[0] + f" {SHIPPED}"
-        vs = f"{ms / float(np.median(times[ref])) - 1:+.1%}" if ref in times and ref != label else ""
-        print(f"{label:<36}{' '.join(f'{t * 1e3:6.0f}' for t in times[label]):<{7 * args.rounds + 2}}"
-              f"{ms * 1e3:10.0f}{flops[label] / ms / 1e9:9.0f}{np.median(clocks[label]):6.0f}{vs:>11}{wrong[label]!s:>10}")
+    print(f"# FP8 GEMM builds on {dev}, each timed as a bench row (0.25 s idle, 3 + 10 calls, median), "
+          f"{args.rounds} rounds A B .. B A; #wrong: elements differing in any bit from the shipped build")
+    width = 7 * args.rounds + 2
+    print(f"{'problem':<14}{'build':<28}{'rounds (us)':<{width}}{'us':>8}{'TFLOP/s':>9}{'MHz':>6}{'vs shipped':>12}"
+          f"{'#wrong':>8}")
+    for g, name in labels:
+        prob, runs, flops = groups[g]
+        _, out, ref = runs[name]
+        ms = float(np.median(times[(g, name)]))
+        shipped = float(np.median(times[(g, SHIPPED)]))
+        vs = "" if name == SHIPPED else f"{ms / shipped - 1:+.1%}"
+        n_wrong = "-" if ref is None else str(wrong(out, runs[ref][1]))
+        rounds = " ".join(f"{t * 1e3:6.0f}" for t in times[(g, name)])
+        print(f"{prob:<14}{name:<28}{rounds:<{width}}{ms * 1e3:8.0f}{flops / ms / 1e9:9.0f}"
+              f"{np.median(clocks[(g, name)]):6.0f}{vs:>12}{n_wrong:>8}")
 
 
 if __name__ == "__main__":

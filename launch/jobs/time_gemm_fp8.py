@@ -78,28 +78,37 @@ def main():
 
 
 class DenseFp8:
-    """A dense FP8 GEMM of n^3 (random operands, 1 x 128 and 128 x 128 scales) and its
-    launches: ours as a single expert of n rows into c, and cuBLASLt's block-scaled FP8 GEMM
-    on the same operands into c_lt (`lt` is None, and `why_not` says why, where cuBLASLt is
-    not reachable). Outputs start as NaN."""
+    """A dense FP8 GEMM of n x n x k (k = n unless given; random operands, 1 x 128 and 128 x 128
+    scales) and its launches: ours as a single expert of n rows into c, and cuBLASLt's
+    block-scaled FP8 GEMM on the same operands into c_lt (`lt` is None, and `why_not` says why,
+    where cuBLASLt is not reachable). Outputs start as NaN."""
 
-    def __init__(self, rs, n: int):
-        self.n = n
-        self.a_q, self.a_s = fp8.quantize_rows(rs.standard_normal((n, n), dtype=np.float32).astype(BF16))
+    def __init__(self, rs, n: int, k: int | None = None):
+        self.n, self.k = n, k or n
+        self.a_q, self.a_s = fp8.quantize_rows(rs.standard_normal((n, self.k), dtype=np.float32).astype(BF16))
         self.b_q, self.b_s = fp8.quantize_blocks(
-            (rs.standard_normal((1, n, n), dtype=np.float32) / np.sqrt(n)).astype(BF16))
+            (rs.standard_normal((1, n, self.k), dtype=np.float32) / np.sqrt(self.k)).astype(BF16))
         self.c, self.c_lt = cupy.full((n, n), np.nan, BF16), cupy.full((n, n), np.nan, BF16)
         self.offsets = cupy.asarray(np.array([0, n], np.int32))
         self.why_not = cublaslt.unavailable()
         self.lt = None if self.why_not is not None else self._lt
 
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.n * self.n * self.k
+
     def ours(self):
         gemm_fp8.grouped_gemm_fp8("null", self.a_q, self.a_s, self.b_q, self.b_s, self.c, self.offsets, 1, self.n,
-                                  self.n)
+                                  self.k)
+
+    def build_specs(self, variant: str, c):
+        """The launch of FP8 GEMM build `variant` (kernels.VARIANTS) on these operands into c."""
+        return gemm_fp8._specs(variant, self.a_q, self.a_s, self.b_q, self.b_s, self.n, c, None, self.offsets, 1,
+                               self.n, self.k, gemm_fp8._NO_PEERS, 0)
 
     def _lt(self):
         cublaslt.gemm_fp8_nt(self.a_q.data.ptr, self.a_s.data.ptr, self.b_q.data.ptr, self.b_s.data.ptr,
-                             self.c_lt.data.ptr, self.n, self.n, self.n)
+                             self.c_lt.data.ptr, self.n, self.n, self.k)
 
 
 def dense_fp8(rs, n, args):
@@ -111,9 +120,7 @@ def dense_fp8(rs, n, args):
     knob_out = {}
     for knob, name in knob_builds("gemm_fp8_null", args):
         out = knob_out[knob] = cupy.empty((n, n), BF16)
-        specs = gemm_fp8._specs(name, d.a_q, d.a_s, d.b_q, d.b_s, n, out, None, d.offsets, 1, n, n,
-                                gemm_fp8._NO_PEERS, 0)
-        runs[knob] = lambda specs=specs: gemm_fp8.run(specs)
+        runs[knob] = lambda specs=d.build_specs(name, out): gemm_fp8.run(specs)
     if d.lt is not None:
         runs["cublaslt"] = d.lt
     times = interleaved_ms(runs, 2, 10)

@@ -1,7 +1,7 @@
 """Where a tile's time goes in the FP8 GEMMs, from the EPSERVE_GEMM_FP8_TRACE build's %clock64
 stamps (cuda/gemm/grouped_gemm_fp8.cu says which point each slot marks), on one GPU:
 
-    python launch/jobs/trace_gemm_fp8.py [--problems dense8192,dense2048,gemm2,gemm1] [--no-loads]
+    python launch/jobs/trace_gemm_fp8.py [--problems dense8192 dense2048 gemm2 gemm1] [--no-loads]
 
 Problems: denseK is one expert of 8192 x 8192 with K = K; gemm2 and gemm1 are dsv3-prefill at
 rank 0 of 2's balanced rows (32777 rows over 128 experts), GEMM 2 with the null sink (storing
@@ -11,8 +11,8 @@ same build with no TMA load at all (the ring holds whatever it held: the time of
 the hand-overs alone). Cycles are the SM's own (%clock64), medians over the traced tiles of
 whole-tile rows where it matters (k-blocks 0 and 1).
 
-Read with the bench-style times of the builds (the first column): the trace costs a few
-instructions a k-block. notes/gemm.md, twenty-third session, has what it showed.
+Each header gives the traced launch's time: the trace costs a few instructions a k-block
+(1-2%). notes/gemm.md, twenty-third session, has what it showed.
 """
 
 from __future__ import annotations
@@ -89,39 +89,39 @@ def traced_launch(variant: str, fn):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--problems", default="dense8192,dense2048,gemm2,gemm1")
+    p.add_argument("--problems", nargs="+", default=["dense8192", "dense2048", "gemm2", "gemm1"])
     p.add_argument("--no-loads", action="store_true", help="also the build without TMA loads")
     args = p.parse_args()
 
     import cupy
-    from ab_gemm_fp8 import problem_operands  # launch/jobs/ab_gemm_fp8.py
+    from ab_gemm_fp8 import dense_runs, dsv3_rows_and_weights  # launch/jobs/ab_gemm_fp8.py
+    from time_gemm_sustained import gemm1_runs, gemm2_runs  # launch/jobs/time_gemm_sustained.py
 
-    from epserve.arrays import BF16
     from epserve.ffn import gemm_fp8
 
     builds = {"trace": TRACE, **({"trace, no loads": NO_LOADS} if args.no_loads else {})}
-
-    def variant(base, build):
-        gemm_fp8.KNOBS[build] = {**gemm_fp8.KNOBS[gemm_fp8.SHIPPED[base]], **builds[build]}
-        return gemm_fp8.register_knob(base, build)
-
+    for name, defines in builds.items():
+        gemm_fp8.KNOBS[name] = {**gemm_fp8.KNOBS[gemm_fp8.SHIPPED["gemm_fp8_null"]], **defines}
     rs = cupy.random.RandomState(5)
-    for prob in args.problems.split(","):
-        M, N, K, experts, offsets, a_q, a_s, b_q, b_s = problem_operands(prob, rs)
+    need_weights = any(prob in ("gemm1", "gemm2") for prob in args.problems)
+    H, I, offsets_host, weights = dsv3_rows_and_weights(rs, need_weights)
+    for prob in args.problems:
+        # runs as launch/jobs/time_gemm_sustained.py makes them: "FP8, <build>" is variant <base>+<build>
+        if prob == "gemm2":
+            runs, _ = gemm2_runs(rs, offsets_host, weights, H, I, list(builds), None, [])
+            base, K = "gemm_fp8_null", I
+        elif prob == "gemm1":
+            runs, _ = gemm1_runs(rs, offsets_host, weights, H, I, list(builds), None, [])
+            base, K = "gemm1_fp8_swiglu", H
+        elif prob.startswith("dense") and prob[len("dense"):].isdigit():
+            K = int(prob[len("dense"):])
+            runs, _ = dense_runs(rs, K, list(builds))
+            base = "gemm_fp8_null"
+        else:
+            p.error(f"unknown problem {prob!r}")
         for build in builds:
-            if prob == "gemm1":
-                v = variant("gemm1_fp8_swiglu", build)
-                act, act_s = cupy.zeros((M, N // 2), np.uint8), cupy.zeros((N // 2 // 128, (M + 3) // 4 * 4), np.float32)
-                specs = gemm_fp8._specs(v, a_q, a_s, b_q, b_s, experts * N, act, act_s, offsets, experts, N // 2, K,
-                                        gemm_fp8._NO_PEERS, 0)
-            else:
-                v = variant("gemm_fp8_null", build)
-                C = cupy.empty((M, N), BF16)
-                specs = gemm_fp8._specs(v, a_q, a_s, b_q, b_s, experts * N, C, None, offsets, experts, N, K,
-                                        gemm_fp8._NO_PEERS, 0)
-            us, stamps = traced_launch(v, lambda specs=specs: gemm_fp8.run(specs))
+            us, stamps = traced_launch(f"{base}+{build}", runs[f"FP8, {build}"][0])
             print_summary(f"{prob}, {build}", us, summarize(stamps, K // 128))
-        del a_q, a_s, b_q, b_s
 
 
 if __name__ == "__main__":

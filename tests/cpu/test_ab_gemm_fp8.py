@@ -2,19 +2,25 @@
 GEMM does not read is refused (it would time the shipped build under another name)."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+JOBS = ROOT / "launch" / "jobs"
 
 
 @pytest.fixture(scope="module")
 def job():
-    spec = importlib.util.spec_from_file_location("ab_gemm_fp8", ROOT / "launch" / "jobs" / "ab_gemm_fp8.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    sys.path.insert(0, str(JOBS))  # the job imports its sibling jobs by name
+    try:
+        spec = importlib.util.spec_from_file_location("ab_gemm_fp8", JOBS / "ab_gemm_fp8.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(JOBS))
 
 
 def test_a_build_spec_names_its_defines(job):
