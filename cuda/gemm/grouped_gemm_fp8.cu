@@ -387,7 +387,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(out_tile + OutTile::kBytes);
   uint64_t* empty = full + kStages;
   SendMailbox* mailbox = reinterpret_cast<SendMailbox*>(full + 2 * kMaxStages);
-  int* stage_tile = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(mailbox) + 32);  // [kMaxStages][kStageTileInts]
+  // [kMaxStages][kStageTileInts]
+  int* stage_tile = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(mailbox) + 32);
   int* mtile_prefix = stage_tile + kMaxStages * kStageTileInts;
   int* smem_offsets = mtile_prefix + EPSERVE_MAX_LOCAL_EXPERTS + 1;  // EPSERVE_GEMM_FP8_SMEM_OFFSETS
 
@@ -400,7 +401,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     fence_mbarrier_init();
   }
   Scheduler sched;
-  sched.init(expert_offsets, num_experts, N, mtile_prefix, smem_offsets);  // its __syncthreads publishes the barriers too
+  // Its __syncthreads publishes the barriers too.
+  sched.init(expert_offsets, num_experts, N, mtile_prefix, smem_offsets);
   const int k_blocks = K / kBK;
   const int b_rows = kSwiGLU ? 2 * N : N;  // B rows per expert
   // Read through a shuffle so the compiler knows it is warp-uniform (the bf16 kernel says why).
