@@ -173,6 +173,9 @@
 #ifndef EPSERVE_GEMM_FP8_SMEM_OFFSETS
 #define EPSERVE_GEMM_FP8_SMEM_OFFSETS 0
 #endif
+#ifndef EPSERVE_GEMM_FP8_TAKE_AHEAD
+#define EPSERVE_GEMM_FP8_TAKE_AHEAD 0
+#endif
 
 namespace {
 
@@ -194,6 +197,7 @@ constexpr bool kPublishTile = EPSERVE_GEMM_FP8_PUBLISH_TILE != 0;
 // producer decoded them (index, expert, m_abs, m_end, n_abs, rows).
 constexpr int kStageTileInts = kPublishTile ? 6 : 1;
 constexpr bool kSmemOffsets = EPSERVE_GEMM_FP8_SMEM_OFFSETS != 0;
+constexpr bool kTakeAhead = EPSERVE_GEMM_FP8_TAKE_AHEAD != 0;
 // The arrivals that free a stage: one per consumer thread (the consumers' `release` says why).
 constexpr int kStageReleases = kReleaseByWarpgroup ? kConsumers : kConsumerThreads;
 constexpr int kThreads = 128 * (kConsumers + 1);
@@ -249,7 +253,11 @@ struct OutTile {
 constexpr int kSmemLimit = 227 * 1024;
 constexpr int kStaticSmem = Sink::kEnabled ? 2048 : 0;
 constexpr int kMaxStages = 6;
-constexpr int kTailBytes = 2 * kMaxStages * 8 + 32 + kMaxStages * kStageTileInts * 4 +
+// EPSERVE_GEMM_FP8_TAKE_AHEAD's next tile (index, expert, m_abs, m_end, n_abs, rows) waits in
+// shared memory: the producer thread's registers are few (kLightRegs), and six more live
+// across its loads spill.
+constexpr int kAheadInts = kTakeAhead ? 6 : 0;
+constexpr int kTailBytes = 2 * kMaxStages * 8 + 32 + (kMaxStages * kStageTileInts + kAheadInts) * 4 +
                            (EPSERVE_MAX_LOCAL_EXPERTS + 1) * 4 * (kSmemOffsets ? 2 : 1);
 constexpr int kStageBytes = kStageA + kStageB + kStageScales;
 constexpr int kFitStages = (kSmemLimit - kStaticSmem - OutTile::kBytes - kTailBytes) / kStageBytes;
@@ -389,7 +397,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   SendMailbox* mailbox = reinterpret_cast<SendMailbox*>(full + 2 * kMaxStages);
   // [kMaxStages][kStageTileInts]
   int* stage_tile = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(mailbox) + 32);
-  int* mtile_prefix = stage_tile + kMaxStages * kStageTileInts;
+  int* ahead = stage_tile + kMaxStages * kStageTileInts;  // [kAheadInts]
+  int* mtile_prefix = ahead + kAheadInts;
   int* smem_offsets = mtile_prefix + EPSERVE_MAX_LOCAL_EXPERTS + 1;  // EPSERVE_GEMM_FP8_SMEM_OFFSETS
 
   if (threadIdx.x == 0) {
@@ -457,18 +466,71 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
         side = epserve_gemm_sm_side[smid & 255];
       }
+      // The lines of a tile's weight scales into this SM's L1, where the consumers' __ldg of
+      // them at the tile's first k-block will find them (kPublishTile).
+      auto prefetch_b_scales = [&](const GroupedTile& t) {
+        const float* sb = b_scales + static_cast<long long>(t.expert) * (b_rows / kHalfN) * k_blocks;
+        const int nb0 = t.n_abs / kHalfN, nb1 = kSwiGLU ? (N + t.n_abs) / kHalfN : nb0 + 1;
+        const bool second = kSwiGLU || (kBN == 256 && t.n_abs + kHalfN < N);
+        for (int h = 0; h < (second ? 2 : 1); ++h) {
+          const char* p = reinterpret_cast<const char*>(sb + static_cast<long long>(h ? nb1 : nb0) * k_blocks);
+          for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{127};
+               a < reinterpret_cast<uintptr_t>(p) + 4 * k_blocks; a += 128)
+            asm volatile("prefetch.global.L1 [%0];" ::"l"(a));
+        }
+      };
       int seq = 0;  // tiles so far (EPSERVE_GEMM_FP8_TRACE)
+      // A take from the counter in two steps: issue the atomic (its answer is a register the
+      // thread waits on only where it reads it), then turn the answer into a tile index.
+      auto take_issue = [&]() -> unsigned long long {
+        if constexpr (kL2Sides)  // counts taken from the front (low word) and from the back
+          return atomicAdd(reinterpret_cast<unsigned long long*>(tile_counter), side ? 1ull << 32 : 1ull);
+        else
+          return static_cast<unsigned int>(atomicAdd(tile_counter, 1));
+      };
+      auto take_index = [&](unsigned long long taken) -> int {
+        if constexpr (kL2Sides) {
+          const int front = static_cast<int>(taken & 0xffffffffu), back = static_cast<int>(taken >> 32);
+          return front + back >= sched.total_tiles ? sched.total_tiles
+                                                   : (side ? sched.total_tiles - 1 - back : front);
+        } else {
+          return static_cast<int>(taken);
+        }
+      };
+      // EPSERVE_GEMM_FP8_TAKE_AHEAD: the next tile, taken during this one's loads, decoded
+      // into `ahead`.
+      auto decode_ahead = [&](int next_index) {
+        ahead[0] = next_index;
+        if (next_index < sched.total_tiles) {
+          const GroupedTile n = sched.tile(next_index);
+          ahead[1] = n.expert;
+          ahead[2] = n.m_abs;
+          ahead[3] = n.m_end;
+          ahead[4] = n.n_abs;
+          ahead[5] = n.rows;
+          if constexpr (kPublishTile) prefetch_b_scales(n);
+        }
+      };
+      if constexpr (kTakeAhead) {
+        trace_point(true, seq, 6);
+        decode_ahead(take_index(take_issue()));
+        trace_point(true, seq, 7);
+      }
       for (;;) {
         int index;
-        trace_point(true, seq, 6);
-        if constexpr (kL2Sides) {  // counts taken from the front (low word) and from the back
-          const unsigned long long taken = atomicAdd(reinterpret_cast<unsigned long long*>(tile_counter),
-                                                     side ? 1ull << 32 : 1ull);
-          const int front = static_cast<int>(taken & 0xffffffffu), back = static_cast<int>(taken >> 32);
-          index = front + back >= sched.total_tiles ? sched.total_tiles
-                                                    : (side ? sched.total_tiles - 1 - back : front);
+        if constexpr (kTakeAhead) {
+          index = ahead[0];
         } else {
-          index = atomicAdd(tile_counter, 1);
+          trace_point(true, seq, 6);
+          if constexpr (kL2Sides) {  // counts taken from the front (low word) and from the back
+            const unsigned long long taken = atomicAdd(reinterpret_cast<unsigned long long*>(tile_counter),
+                                                       side ? 1ull << 32 : 1ull);
+            const int front = static_cast<int>(taken & 0xffffffffu), back = static_cast<int>(taken >> 32);
+            index = front + back >= sched.total_tiles ? sched.total_tiles
+                                                      : (side ? sched.total_tiles - 1 - back : front);
+          } else {
+            index = atomicAdd(tile_counter, 1);
+          }
         }
         if (index >= sched.total_tiles) {
           mbarrier_wait(&empty[stage], phase ^ 1);
@@ -483,24 +545,23 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           }
           break;
         }
-        const GroupedTile t = sched.tile(index);
-        trace_point(true, seq++, 7);  // after the tile's coordinates: after the counter's answer
-        if constexpr (kPublishTile) {
-          // The lines of the tile's weight scales into this SM's L1, where the consumers'
-          // __ldg of them at the tile's first k-block will find them.
-          const float* sb = b_scales + static_cast<long long>(t.expert) * (b_rows / kHalfN) * k_blocks;
-          const int nb0 = t.n_abs / kHalfN, nb1 = kSwiGLU ? (N + t.n_abs) / kHalfN : nb0 + 1;
-          const bool second = kSwiGLU || (kBN == 256 && t.n_abs + kHalfN < N);
-          for (int h = 0; h < (second ? 2 : 1); ++h) {
-            const char* p = reinterpret_cast<const char*>(sb + static_cast<long long>(h ? nb1 : nb0) * k_blocks);
-            for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{127};
-                 a < reinterpret_cast<uintptr_t>(p) + 4 * k_blocks; a += 128)
-              asm volatile("prefetch.global.L1 [%0];" ::"l"(a));
-          }
+        GroupedTile t;
+        if constexpr (kTakeAhead) {
+          t.expert = ahead[1];
+          t.m_abs = ahead[2];
+          t.m_end = ahead[3];
+          t.n_abs = ahead[4];
+          t.rows = ahead[5];
+        } else {
+          t = sched.tile(index);
+          trace_point(true, seq, 7);  // after the tile's coordinates: after the counter's answer
         }
+        ++seq;
+        if constexpr (kPublishTile && !kTakeAhead) prefetch_b_scales(t);
         const int a_boxes = t.rows > 64 ? 2 : 1;  // a tail of at most 64 rows loads (and computes) one half
         const int b_row = t.expert * b_rows + t.n_abs;
         const TensorMap* a_map = &map_a;
+        unsigned long long taken_ahead = 0;
         for (int kt = 0; kt < k_blocks; ++kt) {
           mbarrier_wait(&empty[stage], phase ^ 1);  // every consumer thread is done with the stage
           if (kt == 0) {
@@ -537,6 +598,19 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
                                kStageB / 2, index);
           } else {
             stage_load<kLoadB>("B", b, &map_b, &full[stage], kt * kBK, b_row, 1, 1024, kStageB, index);
+          }
+          if constexpr (kTakeAhead) {
+            // The next tile's atomic goes out after this tile's first loads, and is read half a
+            // tile later, when its answer is long back: neither its round trip nor the decode
+            // sits between this tile's last load and the next one's first.
+            if (kt == 0) {
+              trace_point(true, seq, 6);
+              taken_ahead = take_issue();
+            }
+            if (kt == k_blocks / 2) {
+              decode_ahead(take_index(taken_ahead));
+              trace_point(true, seq, 7);
+            }
           }
           if (++stage == kStages) {
             stage = 0;

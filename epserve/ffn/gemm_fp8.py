@@ -56,6 +56,9 @@ KNOBS: dict[str, dict[str, int]] = {
     "split-unpublished": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_PUBLISH_TILE": 0},
     # the expert offsets in shared memory for the tile decode (built in the twenty-third session, not yet timed)
     "split+offsets": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_SMEM_OFFSETS": 1},
+    # the next tile taken from the counter during this one's loads (twenty-fourth session)
+    "split+ahead": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1},
+    "split+ahead+offsets": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1, "EPSERVE_GEMM_FP8_SMEM_OFFSETS": 1},
 }
 SHIPPED = {"gemm_fp8_null": "split", "gemm_fp8_peer": "split", "gemm1_fp8_swiglu": "split"}
 

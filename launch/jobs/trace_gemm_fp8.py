@@ -2,13 +2,15 @@
 stamps (cuda/gemm/grouped_gemm_fp8.cu says which point each slot marks), on one GPU:
 
     python launch/jobs/trace_gemm_fp8.py [--problems dense8192 dense2048 gemm2 gemm1] [--no-loads]
+                                         [--on split+ahead ...]
 
 Problems: denseK is one expert of 8192 x 8192 with K = K; gemm2 and gemm1 are dsv3-prefill at
 rank 0 of 2's balanced rows (32777 rows over 128 experts), GEMM 2 with the null sink (storing
 C) and GEMM 1 with SwiGLU. Each build is launched as the bench launches it (idle 0.25 s, three
 calls, then the traced one), and the last launch's stamps are read back. --no-loads adds the
 same build with no TMA load at all (the ring holds whatever it held: the time of the math and
-the hand-overs alone). Cycles are the SM's own (%clock64), medians over the traced tiles of
+the hand-overs alone). --on adds the trace built over each given knob build
+(epserve.ffn.gemm_fp8.KNOBS) instead of the shipped one. Cycles are the SM's own (%clock64), medians over the traced tiles of
 whole-tile rows where it matters (k-blocks 0 and 1).
 
 Each header gives the traced launch's time: the trace costs a few instructions a k-block
@@ -91,6 +93,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--problems", nargs="+", default=["dense8192", "dense2048", "gemm2", "gemm1"])
     p.add_argument("--no-loads", action="store_true", help="also the build without TMA loads")
+    p.add_argument("--on", nargs="*", default=[], help="also trace over these epserve.ffn.gemm_fp8.KNOBS builds")
     args = p.parse_args()
 
     import cupy
@@ -99,9 +102,15 @@ def main():
 
     from epserve.ffn import gemm_fp8
 
-    builds = {"trace": TRACE, **({"trace, no loads": NO_LOADS} if args.no_loads else {})}
-    for name, defines in builds.items():
-        gemm_fp8.KNOBS[name] = {**gemm_fp8.KNOBS[gemm_fp8.SHIPPED["gemm_fp8_null"]], **defines}
+    unknown = [k for k in args.on if k not in gemm_fp8.KNOBS]
+    if unknown:
+        p.error(f"--on: unknown knob builds {unknown}; known: {sorted(gemm_fp8.KNOBS)}")
+    shipped = gemm_fp8.SHIPPED["gemm_fp8_null"]
+    over = {"trace": (shipped, TRACE), **({"trace, no loads": (shipped, NO_LOADS)} if args.no_loads else {}),
+            **{f"trace on {k}": (k, TRACE) for k in args.on}}
+    builds = list(over)
+    for name, (knob, defines) in over.items():
+        gemm_fp8.KNOBS[name] = {**gemm_fp8.KNOBS[knob], **defines}
     rs = cupy.random.RandomState(5)
     need_weights = any(prob in ("gemm1", "gemm2") for prob in args.problems)
     H, I, offsets_host, weights = dsv3_rows_and_weights(rs, need_weights)
