@@ -60,15 +60,18 @@ __device__ __forceinline__ void k_block_mma(float (&part)[64], Operand a, Operan
 
 // sum[kOffset + i] += part[i] * scale of part[i]'s row: s_lo for this thread's row
 // (part[4j], part[4j+1]), s_hi for the row 8 below (part[4j+2], part[4j+3]). One rounded
-// fma per value, written out so every build (fused SwiGLU or not) rounds alike.
-template <int kOffset>
+// fma per value, written out so every build (fused SwiGLU or not) rounds alike. kFirst: the
+// tile's first k-block, whose sums start at +0: the fma adds the constant +0 instead of the
+// registers (the same rounding and the same bits, fma(p, s, +0) is +0 where p * s is -0, as
+// with zeroed sums), so the sums need no zeroing first.
+template <int kOffset, bool kFirst = false>
 __device__ __forceinline__ void promote(float (&sum)[128], const float (&part)[64], float s_lo, float s_hi) {
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
-    sum[kOffset + 4 * j] = __fmaf_rn(part[4 * j], s_lo, sum[kOffset + 4 * j]);
-    sum[kOffset + 4 * j + 1] = __fmaf_rn(part[4 * j + 1], s_lo, sum[kOffset + 4 * j + 1]);
-    sum[kOffset + 4 * j + 2] = __fmaf_rn(part[4 * j + 2], s_hi, sum[kOffset + 4 * j + 2]);
-    sum[kOffset + 4 * j + 3] = __fmaf_rn(part[4 * j + 3], s_hi, sum[kOffset + 4 * j + 3]);
+    sum[kOffset + 4 * j] = __fmaf_rn(part[4 * j], s_lo, kFirst ? 0.f : sum[kOffset + 4 * j]);
+    sum[kOffset + 4 * j + 1] = __fmaf_rn(part[4 * j + 1], s_lo, kFirst ? 0.f : sum[kOffset + 4 * j + 1]);
+    sum[kOffset + 4 * j + 2] = __fmaf_rn(part[4 * j + 2], s_hi, kFirst ? 0.f : sum[kOffset + 4 * j + 2]);
+    sum[kOffset + 4 * j + 3] = __fmaf_rn(part[4 * j + 3], s_hi, kFirst ? 0.f : sum[kOffset + 4 * j + 3]);
   }
 }
 

@@ -176,6 +176,9 @@
 #ifndef EPSERVE_GEMM_FP8_TAKE_AHEAD
 #define EPSERVE_GEMM_FP8_TAKE_AHEAD 0
 #endif
+#ifndef EPSERVE_GEMM_FP8_FIRST_FMA
+#define EPSERVE_GEMM_FP8_FIRST_FMA 0
+#endif
 
 namespace {
 
@@ -222,6 +225,12 @@ constexpr int kLoads = EPSERVE_GEMM_FP8_TMA_LOADS;
 static_assert(kLoads >= 0 && kLoads <= 7, "EPSERVE_GEMM_FP8_TMA_LOADS: bit 0 A, bit 1 A's scales, bit 2 B");
 constexpr bool kLoadA = kLoads & 1, kLoadScales = kLoads & 2, kLoadB = kLoads & 4;
 constexpr bool kMma = EPSERVE_GEMM_FP8_MMA != 0;
+// Without wgmmas (the EPSERVE_GEMM_FP8_MMA=0 diagnostic) nothing promotes: the sums are zeroed.
+constexpr bool kFirstFma = EPSERVE_GEMM_FP8_FIRST_FMA != 0 && kMma;
+template <bool kFirst>
+struct KBlockKind {  // which k-block a consumer's loop body is for (kFirstFma)
+  static constexpr bool first = kFirst;
+};
 constexpr bool kCheckTma = EPSERVE_GEMM_FP8_CHECK_TMA != 0;
 constexpr bool kUnalignedScales = EPSERVE_GEMM_FP8_UNALIGNED_SCALES != 0;
 constexpr bool kSplitTails = EPSERVE_GEMM_FP8_SPLIT_TAILS != 0 && kBN == 256;  // (a 128-wide tile has one half)
@@ -763,9 +772,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       } else if (kBN == 256 && computes) {
-#pragma unroll
-        for (int i = 0; i < 128; ++i) sum[i] = 0.f;
-        for (int kt = 0; kt < k_blocks; ++kt) {
+        // kFirst: k-block 0 with kFirstFma (its promotion starts the sums)
+        auto k_block = [&](int kt, auto first) {
+          constexpr bool kFirst = decltype(first)::first;
           const float b_scale0 = __ldg(sb0 + kt), b_scale1 = __ldg(sb1 + kt);  // in flight during the wait
           mbarrier_wait(&full[stage], phase);
           const float* sa = ring_sa + stage * (kStageScales / 4) + (t.m_abs - scale_box_col(t.m_abs));
@@ -774,15 +783,26 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           const uint32_t b = ring_b_desc + stage * kStageB / 16;
           k_block_mma<kMma>(part, a, b);
           if (!second_half) release(stage);
-          if constexpr (kMma) promote<0>(sum, part, a_lo * b_scale0, a_hi * b_scale0);  // (a probe: sum stays 0)
+          if constexpr (kMma) promote<0, kFirst>(sum, part, a_lo * b_scale0, a_hi * b_scale0);  // (a probe: sum stays 0)
           if (second_half) {
             k_block_mma<kMma>(part, a, b + kHalfN * kBK / 16);
             release(stage);
-            if constexpr (kMma) promote<64>(sum, part, a_lo * b_scale1, a_hi * b_scale1);
+            if constexpr (kMma) promote<64, kFirst>(sum, part, a_lo * b_scale1, a_hi * b_scale1);
+          } else if constexpr (kFirst) {
+#pragma unroll
+            for (int i = 64; i < 128; ++i) sum[i] = 0.f;
           }
           if constexpr (kTrace) trace_point(tid == 0 && kt < 2, seq, 4 + min(kt, 1));
           advance();
+        };
+        int kt = 0;
+        if constexpr (kFirstFma) {
+          k_block(kt++, KBlockKind<true>{});
+        } else {
+#pragma unroll
+          for (int i = 0; i < 128; ++i) sum[i] = 0.f;
         }
+        for (; kt < k_blocks; ++kt) k_block(kt, KBlockKind<false>{});
       } else {  // no rows in this warpgroup's half: free the stages for the producer
         for (int kt = 0; kt < k_blocks; ++kt) {
           mbarrier_wait(&full[stage], phase);

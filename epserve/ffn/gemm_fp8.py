@@ -58,6 +58,9 @@ KNOBS: dict[str, dict[str, int]] = {
     "split+offsets": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_SMEM_OFFSETS": 1},
     # the next tile taken from the counter during this one's loads (twenty-fourth session)
     "split+ahead": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1},
+    # k-block 0's promotion starts the sums (fma with +0) instead of zeroing them first
+    "split+firstfma": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_FIRST_FMA": 1},
+    "split+ahead+firstfma": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1, "EPSERVE_GEMM_FP8_FIRST_FMA": 1},
     "split+ahead+offsets": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1, "EPSERVE_GEMM_FP8_SMEM_OFFSETS": 1},
 }
 SHIPPED = {"gemm_fp8_null": "split", "gemm_fp8_peer": "split", "gemm1_fp8_swiglu": "split"}
