@@ -132,6 +132,16 @@
 //   ~3000 cycles on GEMM 2 (~1800 for one expert), on the path between a tile's last load and
 //   the next tile's first, whose late arrival is GEMM 2's largest cost per tile. Same bits:
 //   the same offsets.
+// - EPSERVE_GEMM_FP8_TAKE_AHEAD=1 (not yet timed): the producer takes the next tile from the
+//   counter during this one's loads (the atomic after its first stage's loads, the answer read
+//   after the wait for its second stage) and decodes it into shared memory, instead of
+//   between this tile's last load and the next one's first. The stamps put that gap (~3000
+//   cycles) on GEMM 2's path into each tile: its ring has 3 stages (its bf16 output tile
+//   takes 66 KB), and the next tile's first stage arrived ~2100 cycles after the consumers
+//   wanted it. Same bits: the same tiles, each CTA taking one tile ahead of the one it works on.
+// - EPSERVE_GEMM_FP8_FIRST_FMA=1 (not yet timed): k-block 0's promotion starts the sums,
+//   fma(part, scale, +0), instead of zeroing 128 registers first (128 tiles: the stamps put
+//   k-block 0 ~900 cycles above the later ones). Same bits: the same fma with the same +0.
 // Diagnostic build: EPSERVE_GEMM_FP8_TRACE=1 stamps %clock64 at points of each tile into
 // epserve_gemm_trace (below); launch/jobs/trace_gemm_fp8.py reads them.
 #ifndef EPSERVE_GEMM_FP8_SPLIT_TAILS
@@ -570,8 +580,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         const int a_boxes = t.rows > 64 ? 2 : 1;  // a tail of at most 64 rows loads (and computes) one half
         const int b_row = t.expert * b_rows + t.n_abs;
         const TensorMap* a_map = &map_a;
-        unsigned long long taken_ahead = 0;
-        for (int kt = 0; kt < k_blocks; ++kt) {
+        // One k-block's stage: wait until it is free, then its loads (with the tile in its
+        // first stage).
+        auto load_k_block = [&](int kt) {
           mbarrier_wait(&empty[stage], phase ^ 1);  // every consumer thread is done with the stage
           if (kt == 0) {
             int* st = stage_tile + stage * kStageTileInts;
@@ -608,23 +619,26 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           } else {
             stage_load<kLoadB>("B", b, &map_b, &full[stage], kt * kBK, b_row, 1, 1024, kStageB, index);
           }
-          if constexpr (kTakeAhead) {
-            // The next tile's atomic goes out after this tile's first loads, and is read half a
-            // tile later, when its answer is long back: neither its round trip nor the decode
-            // sits between this tile's last load and the next one's first.
-            if (kt == 0) {
-              trace_point(true, seq, 6);
-              taken_ahead = take_issue();
-            }
-            if (kt == k_blocks / 2) {
-              decode_ahead(take_index(taken_ahead));
-              trace_point(true, seq, 7);
-            }
-          }
           if (++stage == kStages) {
             stage = 0;
             phase ^= 1;
           }
+        };
+        if constexpr (kTakeAhead) {
+          // The next tile's atomic goes out after this tile's first loads, before the wait for
+          // its second stage (the producer's usual wait, about a k-block), and its answer is
+          // read after that wait, when it is back: neither the counter's round trip nor the
+          // decode then sits between this tile's last load and the next tile's first. (Between
+          // two loops: taken inside the k-loop, its registers spilled.)
+          load_k_block(0);
+          trace_point(true, seq, 6);
+          const unsigned long long taken = take_issue();
+          if (k_blocks > 1) mbarrier_wait(&empty[stage], phase ^ 1);  // load_k_block(1)'s wait then returns at once
+          decode_ahead(take_index(taken));
+          trace_point(true, seq, 7);
+          for (int kt = 1; kt < k_blocks; ++kt) load_k_block(kt);
+        } else {
+          for (int kt = 0; kt < k_blocks; ++kt) load_k_block(kt);
         }
       }
     }

@@ -347,7 +347,9 @@ def test_gemm2_fp8_peer_sink_scatters_the_null_builds_rows():
 FP8_KNOB_BUILDS = [("2", "plain"), ("2", "split"), ("2", "split-unzeroed"), ("2", "split+overlap"), ("2", "n128"),
                    ("2", "n128+overlap"), ("2", "split-nosides"), ("2", "split-unpublished"), ("1", "plain"),
                    ("1", "split"), ("1", "split-unzeroed"), ("1", "split+overlap"), ("1", "split-nosides"),
-                   ("1", "split-unpublished"), ("2", "split+offsets"), ("1", "split+offsets")]
+                   ("1", "split-unpublished"), ("2", "split+offsets"), ("1", "split+offsets"), ("2", "split+ahead"),
+                   ("1", "split+ahead"), ("2", "split+firstfma"), ("1", "split+firstfma"), ("2", "split+ahead+firstfma"),
+                   ("1", "split+ahead+firstfma"), ("2", "split+ahead+offsets"), ("1", "split+ahead+offsets")]
 
 
 @pytest.mark.parametrize("gemm,knob", FP8_KNOB_BUILDS)
