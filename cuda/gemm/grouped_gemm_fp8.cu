@@ -42,6 +42,7 @@
 #endif
 #include "sinks/null_peer_sink.cuh"
 #include "sinks/tile_mailbox.cuh"
+#include "sinks/tile_mailbox_mbarrier.cuh"
 
 #ifndef EPSERVE_SINK
 #error "build with -DEPSERVE_SINK=NullPeerSink or -DEPSERVE_SINK=EpPeerSink"
@@ -189,6 +190,9 @@
 #ifndef EPSERVE_GEMM_FP8_FIRST_FMA
 #define EPSERVE_GEMM_FP8_FIRST_FMA 0
 #endif
+#ifndef EPSERVE_GEMM_FP8_MBARRIER_MAILBOX
+#define EPSERVE_GEMM_FP8_MBARRIER_MAILBOX 0
+#endif
 
 namespace {
 
@@ -220,6 +224,15 @@ constexpr bool kWriterWarps = kSendWarps || !Sink::kEnabled;
 static_assert(kWriterWarps, "a peer sink without send warps has no place in this kernel");
 constexpr int kCWriterWarps = 3;
 using CMailbox = TileMailbox<kConsumerThreads, kCWriterWarps * 32>;
+// EPSERVE_GEMM_FP8_MBARRIER_MAILBOX: the hand-over to the writer or send warps by mbarriers
+// (sinks/tile_mailbox_mbarrier.cuh), with which the consumer warpgroups never wait for each other.
+constexpr bool kMbarrierMailbox = EPSERVE_GEMM_FP8_MBARRIER_MAILBOX != 0;
+#if defined(EPSERVE_SINK_BULK) && EPSERVE_SINK_BULK
+static_assert(!kMbarrierMailbox, "EPSERVE_GEMM_FP8_MBARRIER_MAILBOX: not with the bulk send warps (their hand-over fences)");
+#endif
+using MbarrierMailbox = TileMailboxMbarrier<kConsumerThreads, (kSendWarps ? Sink::kSendWarps : kCWriterWarps) * 32>;
+constexpr int kMailboxBytes = kMbarrierMailbox ? 64 : 32;  // the mailbox (and its barriers)
+static_assert(MbarrierMailbox::kBytes <= 64, "the mailbox's room");
 constexpr int kLightRegs = 40, kConsumerRegs = 232;
 static_assert(kConsumers * 128 * kConsumerRegs + 128 * kLightRegs <= 65536, "registers");
 static_assert(Sink::kSendWarps <= 3, "the send warps share the producer warpgroup with the TMA warp");
@@ -276,7 +289,7 @@ constexpr int kMaxStages = 6;
 // shared memory: the producer thread's registers are few (kLightRegs), and six more live
 // across its loads spill.
 constexpr int kAheadInts = kTakeAhead ? 6 : 0;
-constexpr int kTailBytes = 2 * kMaxStages * 8 + 32 + (kMaxStages * kStageTileInts + kAheadInts) * 4 +
+constexpr int kTailBytes = 2 * kMaxStages * 8 + kMailboxBytes + (kMaxStages * kStageTileInts + kAheadInts) * 4 +
                            (EPSERVE_MAX_LOCAL_EXPERTS + 1) * 4 * (kSmemOffsets ? 2 : 1);
 constexpr int kStageBytes = kStageA + kStageB + kStageScales;
 constexpr int kFitStages = (kSmemLimit - kStaticSmem - OutTile::kBytes - kTailBytes) / kStageBytes;
@@ -415,7 +428,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* empty = full + kStages;
   SendMailbox* mailbox = reinterpret_cast<SendMailbox*>(full + 2 * kMaxStages);
   // [kMaxStages][kStageTileInts]
-  int* stage_tile = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(mailbox) + 32);
+  int* stage_tile = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(mailbox) + kMailboxBytes);
   int* ahead = stage_tile + kMaxStages * kStageTileInts;  // [kAheadInts]
   int* mtile_prefix = ahead + kAheadInts;
   int* smem_offsets = mtile_prefix + EPSERVE_MAX_LOCAL_EXPERTS + 1;  // EPSERVE_GEMM_FP8_SMEM_OFFSETS
@@ -426,6 +439,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       mbarrier_init(&full[s], 1);
       mbarrier_init(&empty[s], kStageReleases);  // one arrival per consumer thread: see `release`
     }
+    if constexpr (kMbarrierMailbox) MbarrierMailbox::init(mailbox);
     fence_mbarrier_init();
   }
   Scheduler sched;
@@ -441,7 +455,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     const int warp = (threadIdx.x % 128) / 32;
     if constexpr (kSendWarps) {
       if (warp >= 1 && warp <= Sink::kSendWarps && gate >= 0)
-        Sink::template service<kConsumerThreads>(
+        Sink::template service<kConsumerThreads, kMbarrierMailbox ? 1 : 0>(
             SmemTile{reinterpret_cast<const bf16_t*>(out_tile), OutTile::kLd, 0, 0}, mailbox, cfg,
             threadIdx.x % 128 - 32);
     } else {
@@ -449,7 +463,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         const int writer = threadIdx.x % 128 - 32;
         constexpr int kChunks = kOutCols * (kSwiGLU ? 1 : 2) / 16;  // 16-byte chunks of a tile row
         const int row_bytes = N * (kSwiGLU ? 1 : 2);
-        CMailbox::serve(mailbox, [&](const SendMailbox& m) {
+        auto write_out = [&](const SendMailbox& m) {
           const int elem = kSwiGLU ? 1 : 2;
           for (int i = writer; i < m.rows * kChunks; i += kCWriterWarps * 32) {
             const int r = i / kChunks, c = (i % kChunks) * 16 / elem;  // c: the chunk's first column
@@ -462,7 +476,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             for (int r = writer; r < m.rows; r += kCWriterWarps * 32)
               c_scales[(m.n_abs / kHalfN) * c_scale_ld + m.m_abs + r] = out_scales[r];
           }
-        });
+        };
+        if constexpr (kMbarrierMailbox) MbarrierMailbox::serve(mailbox, write_out);
+        else CMailbox::serve(mailbox, write_out);
       }
     }
     // Producer: one thread takes tiles from the counter and keeps the ring full. A tile's first
@@ -681,6 +697,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     float part[64];
     float part2_n128[64];  // EPSERVE_GEMM_FP8_OVERLAP's second part with 128-wide tiles (other builds never touch it)
     bool tile_pending = false;  // the writer warps still hold the shared output tile
+    int handed = 0;             // tiles handed over (kMbarrierMailbox: the mailbox's phases)
     int seq = 0;  // tiles so far (EPSERVE_GEMM_FP8_TRACE)
     for (;;) {
       trace_point(tid == 0, seq, 0);
@@ -830,7 +847,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         if (gate < 0) continue;  // the peer sink gated off: the math alone
       }
       if (tile_pending) {  // wait until the writer warps are done with the last tile
-        if constexpr (kSendWarps) Sink::template drain<kConsumerThreads>();
+        if constexpr (kMbarrierMailbox) MbarrierMailbox::drain(mailbox, handed);
+        else if constexpr (kSendWarps) Sink::template drain<kConsumerThreads>();
         else CMailbox::drain();
       }
       if (split) {
@@ -869,12 +887,16 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       }
       // The hand-over's barrier publishes the tile to the writer warps.
       const SmemTile tile{reinterpret_cast<const bf16_t*>(out_tile), OutTile::kLd, t.rows, min(kOutCols, N - t.n_abs)};
-      if constexpr (kSendWarps) Sink::template hand_over<kConsumerThreads>(mailbox, tile, t.m_abs, t.n_abs, tid);
+      if constexpr (kMbarrierMailbox) MbarrierMailbox::hand_over(mailbox, tile, t.m_abs, t.n_abs, tid);
+      else if constexpr (kSendWarps) Sink::template hand_over<kConsumerThreads>(mailbox, tile, t.m_abs, t.n_abs, tid);
       else CMailbox::hand_over(mailbox, tile, t.m_abs, t.n_abs, tid);
+      ++handed;
       trace_point(tid == 0, seq - 1, 3);
       tile_pending = true;
     }
-    if constexpr (kSendWarps) {
+    if constexpr (kMbarrierMailbox) {
+      if (!kSendWarps || gate >= 0) MbarrierMailbox::shutdown(mailbox, tile_pending, handed, tid);
+    } else if constexpr (kSendWarps) {
       if (gate >= 0) Sink::template shutdown<kConsumerThreads>(mailbox, tile_pending, tid);
     } else {
       CMailbox::shutdown(mailbox, tile_pending, tid);

@@ -11,6 +11,7 @@
 #include "sinks/row_scatter.cuh"
 #include "sinks/smem_tile.cuh"
 #include "sinks/tile_mailbox.cuh"
+#include "sinks/tile_mailbox_mbarrier.cuh"
 
 struct EpPeerSink {
   static constexpr bool kEnabled = true;
@@ -42,13 +43,16 @@ struct EpPeerSink {
     Mailbox<kOutputThreads>::drain();
   }
 
-  // Send warps: scatter every tile handed over until `done`.
-  template <int kOutputThreads>
+  // Send warps: scatter every tile handed over until `done`. kMbarrierMailbox: handed over
+  // through sinks/tile_mailbox_mbarrier.cuh's mailbox (the FP8 GEMM's knob of that name).
+  template <int kOutputThreads, int kMbarrierMailbox = 0>
   __device__ static void service(const SmemTile& tile, const SendMailbox* box, const PeerSendConfig& cfg, int send_tid) {
-    Mailbox<kOutputThreads>::serve(box, [&](const SendMailbox& m) {
+    auto scatter = [&](const SendMailbox& m) {
       epserve::scatter_rows_to_peers<kSendThreads, 128, kSendBarrier>(tile.data, tile.ld, m.rows, m.cols, m.m_abs,
                                                                       m.n_abs, cfg, send_tid);
-    });
+    };
+    if constexpr (kMbarrierMailbox) TileMailboxMbarrier<kOutputThreads, kSendThreads>::serve(box, scatter);
+    else Mailbox<kOutputThreads>::serve(box, scatter);
   }
 
   // Output warps, after their last tile: retire the send warps with every arrival matched.

@@ -18,8 +18,9 @@ struct EpPeerSinkBulk : EpPeerSink {
   }
 
   // Send warps: every tile handed over until `done`, then the last tile's arrival.
-  template <int kOutputThreads>
+  template <int kOutputThreads, int kMbarrierMailbox = 0>
   __device__ static void service(const SmemTile& tile, const SendMailbox* box, const PeerSendConfig& cfg, int send_tid) {
+    static_assert(!kMbarrierMailbox, "the bulk send warps' hand-over fences: only through TileMailbox");
     __shared__ epserve::BulkPending pending;
     epserve::zero_bulk_pending<kSendThreads, kSendBarrier>(pending, send_tid);
     Mailbox<kOutputThreads>::serve(box, [&](const SendMailbox& m) {

@@ -17,7 +17,7 @@ struct NullPeerSink {
   __device__ static void hand_over(SendMailbox*, const SmemTile&, int, int, int) {}
   template <int kOutputThreads>
   __device__ static void drain() {}
-  template <int kOutputThreads>
+  template <int kOutputThreads, int kMbarrierMailbox = 0>
   __device__ static void service(const SmemTile&, const SendMailbox*, const PeerSendConfig&, int) {}
   template <int kOutputThreads>
   __device__ static void shutdown(SendMailbox*, bool, int) {}

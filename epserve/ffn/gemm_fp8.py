@@ -12,10 +12,12 @@ expert_offsets [E + 1] int32 on the device, as for the bf16 GEMMs."""
 from __future__ import annotations
 
 import functools
+import os
 
 import cupy
 import numpy as np
 
+from epserve.errors import ConfigError
 from epserve.ffn.fp8 import _i64
 from epserve.ffn.gemm import _gemm_kernel, _tile_counter, peer_variant, run
 from epserve.runtime import l2_sides, tma
@@ -60,8 +62,17 @@ KNOBS: dict[str, dict[str, int]] = {
     "split+ahead": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1},
     # k-block 0's promotion starts the sums (fma with +0) instead of zeroing them first
     "split+firstfma": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_FIRST_FMA": 1},
-    "split+ahead+firstfma": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1, "EPSERVE_GEMM_FP8_FIRST_FMA": 1},
-    "split+ahead+offsets": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1, "EPSERVE_GEMM_FP8_SMEM_OFFSETS": 1},
+    "split+ahead+firstfma": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1,
+                             "EPSERVE_GEMM_FP8_FIRST_FMA": 1},
+    # the hand-over to the writer / send warps by mbarriers: the consumer warpgroups never wait
+    # for each other
+    "split+mbox": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_MBARRIER_MAILBOX": 1},
+    "split+ahead+mbox": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1,
+                         "EPSERVE_GEMM_FP8_MBARRIER_MAILBOX": 1},
+    "split+ahead+offsets": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1,
+                            "EPSERVE_GEMM_FP8_SMEM_OFFSETS": 1},
+    "split+ahead+firstfma+mbox": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1,
+                                  "EPSERVE_GEMM_FP8_FIRST_FMA": 1, "EPSERVE_GEMM_FP8_MBARRIER_MAILBOX": 1},
 }
 SHIPPED = {"gemm_fp8_null": "split", "gemm_fp8_peer": "split", "gemm1_fp8_swiglu": "split"}
 
@@ -69,6 +80,25 @@ SHIPPED = {"gemm_fp8_null": "split", "gemm_fp8_peer": "split", "gemm1_fp8_swiglu
 def knob_applies(base: str, knob: str) -> bool:
     """Whether KNOBS[knob] builds with variant `base` (the 128-wide tile is GEMM 2's)."""
     return not (base.startswith("gemm1") and "n128" in knob)
+
+
+def build_variant(base: str) -> str:
+    """The variant the layer launches for `base` ("gemm_fp8_null", "gemm_fp8_peer",
+    "gemm1_fp8_swiglu", ...): `base` itself, or with $EPSERVE_GEMM_FP8_BUILD naming one of
+    KNOBS, `base` built with it (an experimental build with the shipped build's bits, so the
+    ranks need not agree), for the jobs and benchmarks that check or time a build in the whole
+    layer. Bases a knob does not build with (the bulk send warps', GEMM 1 with n128) stay."""
+    knob = os.environ.get("EPSERVE_GEMM_FP8_BUILD", "")
+    if not knob:
+        return base
+    if knob not in KNOBS:
+        raise ConfigError(f"EPSERVE_GEMM_FP8_BUILD must be one of {sorted(KNOBS)}, got {knob!r}")
+    if base.endswith("_bulk") or not knob_applies(base, knob):
+        return base
+    from epserve.runtime import kernels
+
+    name = f"{base}+{knob}"
+    return name if name in kernels.VARIANTS else register_knob(base, knob)
 
 
 def register_knob(base: str, knob: str) -> str:
@@ -97,7 +127,7 @@ def grouped_gemm_fp8_specs(sink: str, a, a_scales, b, b_scales, C, expert_offset
     if cfg is None:
         assert sink == "null", "the peer sink needs its PeerSendConfig"
         cfg = _NO_PEERS
-    return _specs(f"gemm_fp8_{peer_variant(sink)}", a, a_scales, b, b_scales, num_experts * N, C, None,
+    return _specs(build_variant(f"gemm_fp8_{peer_variant(sink)}"), a, a_scales, b, b_scales, num_experts * N, C, None,
                   expert_offsets, num_experts, N, K, cfg, gate)
 
 
@@ -118,7 +148,7 @@ def gemm1_swiglu_fp8_specs(a, a_scales, w13, w13_scales, act, act_scales, expert
     """gemm1_swiglu_fp8's launch as specs."""
     I, H = intermediate, hidden
     assert act_scales.shape[0] == I // BLOCK and act_scales.shape[1] % 4 == 0, act_scales.shape
-    return _specs("gemm1_fp8_swiglu", a, a_scales, w13, w13_scales, num_experts * 2 * I, act, act_scales,
+    return _specs(build_variant("gemm1_fp8_swiglu"), a, a_scales, w13, w13_scales, num_experts * 2 * I, act, act_scales,
                   expert_offsets, num_experts, I, H, _NO_PEERS, 0)
 
 

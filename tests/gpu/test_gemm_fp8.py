@@ -349,7 +349,9 @@ FP8_KNOB_BUILDS = [("2", "plain"), ("2", "split"), ("2", "split-unzeroed"), ("2"
                    ("1", "split"), ("1", "split-unzeroed"), ("1", "split+overlap"), ("1", "split-nosides"),
                    ("1", "split-unpublished"), ("2", "split+offsets"), ("1", "split+offsets"), ("2", "split+ahead"),
                    ("1", "split+ahead"), ("2", "split+firstfma"), ("1", "split+firstfma"), ("2", "split+ahead+firstfma"),
-                   ("1", "split+ahead+firstfma"), ("2", "split+ahead+offsets"), ("1", "split+ahead+offsets")]
+                   ("1", "split+ahead+firstfma"), ("2", "split+ahead+offsets"), ("1", "split+ahead+offsets"),
+                   ("2", "split+mbox"), ("1", "split+mbox"), ("2", "split+ahead+mbox"), ("1", "split+ahead+mbox"),
+                   ("2", "split+ahead+firstfma+mbox"), ("1", "split+ahead+firstfma+mbox")]
 
 
 @pytest.mark.parametrize("gemm,knob", FP8_KNOB_BUILDS)
