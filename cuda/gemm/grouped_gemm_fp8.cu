@@ -143,6 +143,14 @@
 // - EPSERVE_GEMM_FP8_FIRST_FMA=1 (not yet timed): k-block 0's promotion starts the sums,
 //   fma(part, scale, +0), instead of zeroing 128 registers first (128 tiles: the stamps put
 //   k-block 0 ~900 cycles above the later ones). Same bits: the same fma with the same +0.
+// - EPSERVE_GEMM_FP8_MBARRIER_MAILBOX=1 (not yet timed): the finished tile goes to the writer
+//   or send warps through sinks/tile_mailbox_mbarrier.cuh's mailbox (two mbarriers) instead of
+//   TileMailbox's named barriers, with which every consumer thread's hand-over and drain waited
+//   for all of them: the two consumer warpgroups left each tile in step, both out of the MMA at
+//   once for the epilogue (~770 cycles on GEMM 2, ~4200 on GEMM 1) and both back into it at
+//   once. Now each goes on as soon as its own rows are written, and the other one's wgmmas
+//   can fill the tensor pipe meanwhile. Same bits: the same tile in the same shared memory.
+//   Not with the bulk send warps (their hand-over fences the async proxy).
 // Diagnostic build: EPSERVE_GEMM_FP8_TRACE=1 stamps %clock64 at points of each tile into
 // epserve_gemm_trace (below); launch/jobs/trace_gemm_fp8.py reads them.
 #ifndef EPSERVE_GEMM_FP8_SPLIT_TAILS

@@ -369,7 +369,10 @@ def test_fp8_build_knobs_give_the_same_bits(knob, gemm, rows, K, monkeypatch):
     front of the order (the shipped build takes them by L2 side, with this GPU's measured
     table); unpublished: the consumers decode each tile from its index themselves (the shipped
     build's producer writes the decoded tile beside the index); offsets: the tile decode reads
-    the expert offsets from shared memory. The rows hold tails of 1 .. 64 rows (split) and
+    the expert offsets from shared memory; ahead: the producer takes the next tile during this
+    one's loads (K = 128: a tile of one k-block, taken ahead at once); firstfma: k-block 0's
+    promotion starts the sums; mbox: the tile handed to the writer warps through mbarriers, the
+    warpgroups never waiting for each other. The rows hold tails of 1 .. 64 rows (split) and
     65 .. 127 (not), whole tiles, empty experts, and more tiles than SMs (a CTA meets split
     and unsplit tiles in turn); K from 1 to 5 k-blocks (the overlapped loop's two-a-pass body
     and both of its endings); GEMM 2's N = 384 leaves its last 256-wide column tile without a
