@@ -43,7 +43,7 @@ _NO_PEERS = launch_arg(np.zeros(1, PEER_SEND_CONFIG))
 # tests/gpu/test_gemm_fp8.py holds each to the shipped build's bits, tests/cpu/test_build.py
 # compiles them. Names with "n128" are GEMM 2's only (the kernel refuses them with SwiGLU).
 _PLAIN = {"EPSERVE_GEMM_FP8_SPLIT_TAILS": 0, "EPSERVE_GEMM_FP8_OVERLAP": 0, "EPSERVE_GEMM_FP8_ZERO_PADDING": 0,
-          "EPSERVE_GEMM_FP8_L2_SIDES": 0, "EPSERVE_GEMM_FP8_PUBLISH_TILE": 0}
+          "EPSERVE_GEMM_FP8_L2_SIDES": 0, "EPSERVE_GEMM_FP8_PUBLISH_TILE": 0, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 0}
 KNOBS: dict[str, dict[str, int]] = {
     "plain": _PLAIN,
     "split": {**_PLAIN, **FP8_SHIPPED},
@@ -74,7 +74,7 @@ KNOBS: dict[str, dict[str, int]] = {
     "split+ahead+firstfma+mbox": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1,
                                   "EPSERVE_GEMM_FP8_FIRST_FMA": 1, "EPSERVE_GEMM_FP8_MBARRIER_MAILBOX": 1},
 }
-SHIPPED = {"gemm_fp8_null": "split", "gemm_fp8_peer": "split", "gemm1_fp8_swiglu": "split"}
+SHIPPED = {"gemm_fp8_null": "split+ahead", "gemm_fp8_peer": "split+ahead", "gemm1_fp8_swiglu": "split"}
 
 
 def knob_applies(base: str, knob: str) -> bool:

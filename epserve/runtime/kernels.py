@@ -27,9 +27,14 @@ BULK = {"EPSERVE_SINK": "EpPeerSinkBulk", "EPSERVE_SINK_BULK": 1}
 FP8_GEMM_SOURCE = "gemm/grouped_gemm_fp8.cu"  # block-scaled e4m3 wgmma, the bf16 wgmma GEMM's structure
 # The shipped FP8 GEMM builds' knobs: split tails, no overlapped promotion, padding rows
 # loaded as zeros, tiles handed out by L2 side (epserve/runtime/l2_sides.py writes the side
-# table into each loaded module); epserve/ffn/gemm_fp8.py KNOBS["split"] is this build.
+# table into each loaded module); epserve/ffn/gemm_fp8.py KNOBS["split"] is this build (GEMM 1's).
 FP8_SHIPPED = {"EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_OVERLAP": 0, "EPSERVE_GEMM_FP8_ZERO_PADDING": 1,
-               "EPSERVE_GEMM_FP8_L2_SIDES": 1, "EPSERVE_GEMM_FP8_PUBLISH_TILE": 1}
+               "EPSERVE_GEMM_FP8_L2_SIDES": 1, "EPSERVE_GEMM_FP8_PUBLISH_TILE": 1, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 0}
+# GEMM 2 (not GEMM 1) also takes its next tile during this one's loads: the first stage of a
+# tile no longer arrives late in its 3-stage ring (GEMM 2 2-4% faster); GEMM 1, whose 56
+# k-blocks a tile and 4 stages hid that wait already, ran 4-7% slower with it
+# (notes/gemm.md, twenty-fourth session). KNOBS["split+ahead"] is this build.
+FP8_GEMM2_SHIPPED = {**FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1}
 FP8_QUANTIZE_SOURCE = "ffn/quantize_fp8.cu"
 
 # name -> (source, defines)
@@ -49,12 +54,13 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     # FP8 GEMMs: a tile of at most 64 real rows split over both warpgroups, and the padding rows
     # past an expert's end loaded as zeros: epserve/ffn/gemm_fp8.py KNOBS (the overlapped
     # promotion measured slower: a knob)
-    **{f"gemm_fp8_{sink}": (FP8_GEMM_SOURCE, {"EPSERVE_SINK": cls, **FP8_SHIPPED}) for sink, cls in SINKS.items()},
+    **{f"gemm_fp8_{sink}": (FP8_GEMM_SOURCE, {"EPSERVE_SINK": cls, **FP8_GEMM2_SHIPPED})
+       for sink, cls in SINKS.items()},
     # GEMM 2's peer sink with bulk asynchronous copies (EPSERVE_SINK_STORES=bulk, opt-in:
     # epserve/ffn/gemm.py peer_stores; cuda/sinks/row_scatter_bulk.cuh)
     "gemm_wgmma_peer_bulk": (WGMMA_GEMM_SOURCE, BULK),
     "gemm_wgmma_peer_bulk_split": (WGMMA_GEMM_SOURCE, {**BULK, "EPSERVE_GEMM_SPLIT_K": 2}),
-    "gemm_fp8_peer_bulk": (FP8_GEMM_SOURCE, {**BULK, **FP8_SHIPPED}),
+    "gemm_fp8_peer_bulk": (FP8_GEMM_SOURCE, {**BULK, **FP8_GEMM2_SHIPPED}),
     "gemm1_fp8_swiglu": (FP8_GEMM_SOURCE, {"EPSERVE_SINK": SINKS["null"], "EPSERVE_GEMM_SWIGLU": 1, **FP8_SHIPPED}),
     "quantize_fp8": (FP8_QUANTIZE_SOURCE, {}),
     # which L2 side each SM is on, for the FP8 GEMMs' tile order (epserve/runtime/l2_sides.py)

@@ -360,7 +360,7 @@ FP8_KNOB_BUILDS = [("2", "plain"), ("2", "split"), ("2", "split-unzeroed"), ("2"
 def test_fp8_build_knobs_give_the_same_bits(knob, gemm, rows, K, monkeypatch):
     """The FP8 GEMM's builds (epserve.ffn.gemm_fp8.KNOBS; cuda/gemm/grouped_gemm_fp8.cu says
     what each does) change how tiles are computed, never the result: each build equals the
-    shipped one ("split", both GEMMs) bit for bit. plain: none of the knobs. split: a tile of at most 64 real rows
+    shipped one ("split+ahead" for GEMM 2, "split" for GEMM 1) bit for bit. plain: none of the knobs. split: a tile of at most 64 real rows
     computed by both warpgroups, one 128-column half each (GEMM 1's up half handed over through
     shared memory), and the rows of an A box past its expert's end loaded as zeros (through a
     copy of A's tensor map cut there; split-unzeroed loads the next expert's rows there, as
