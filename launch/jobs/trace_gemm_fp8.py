@@ -2,7 +2,7 @@
 stamps (cuda/gemm/grouped_gemm_fp8.cu says which point each slot marks), on one GPU:
 
     python launch/jobs/trace_gemm_fp8.py [--problems dense8192 dense2048 gemm2 gemm1] [--no-loads]
-                                         [--on split+ahead ...]
+                                         [--on split+mbox ...]
 
 Problems: denseK is one expert of 8192 x 8192 with K = K; gemm2 and gemm1 are dsv3-prefill at
 rank 0 of 2's balanced rows (32777 rows over 128 experts), GEMM 2 with the null sink (storing
@@ -10,8 +10,9 @@ C) and GEMM 1 with SwiGLU. Each build is launched as the bench launches it (idle
 calls, then the traced one), and the last launch's stamps are read back. --no-loads adds the
 same build with no TMA load at all (the ring holds whatever it held: the time of the math and
 the hand-overs alone). --on adds the trace built over each given knob build
-(epserve.ffn.gemm_fp8.KNOBS) instead of the shipped one. Cycles are the SM's own (%clock64), medians over the traced tiles of
-whole-tile rows where it matters (k-blocks 0 and 1).
+(epserve.ffn.gemm_fp8.KNOBS) instead of the shipped one (GEMM 2's and GEMM 1's differ).
+Cycles are the SM's own (%clock64), medians over the traced tiles of whole-tile rows where it
+matters (k-blocks 0 and 1).
 
 Each header gives the traced launch's time: the trace costs a few instructions a k-block
 (1-2%). notes/gemm.md, twenty-third session, has what it showed.
@@ -105,29 +106,31 @@ def main():
     unknown = [k for k in args.on if k not in gemm_fp8.KNOBS]
     if unknown:
         p.error(f"--on: unknown knob builds {unknown}; known: {sorted(gemm_fp8.KNOBS)}")
-    shipped = gemm_fp8.SHIPPED["gemm_fp8_null"]
-    over = {"trace": (shipped, TRACE), **({"trace, no loads": (shipped, NO_LOADS)} if args.no_loads else {}),
-            **{f"trace on {k}": (k, TRACE) for k in args.on}}
-    builds = list(over)
-    for name, (knob, defines) in over.items():
-        gemm_fp8.KNOBS[name] = {**gemm_fp8.KNOBS[knob], **defines}
     rs = cupy.random.RandomState(5)
     need_weights = any(prob in ("gemm1", "gemm2") for prob in args.problems)
     H, I, offsets_host, weights = dsv3_rows_and_weights(rs, need_weights)
     for prob in args.problems:
-        # runs as launch/jobs/time_gemm_sustained.py makes them: "FP8, <build>" is variant <base>+<build>
-        if prob == "gemm2":
-            runs, _ = gemm2_runs(rs, offsets_host, weights, H, I, list(builds), None, [])
-            base, K = "gemm_fp8_null", I
-        elif prob == "gemm1":
-            runs, _ = gemm1_runs(rs, offsets_host, weights, H, I, list(builds), None, [])
-            base, K = "gemm1_fp8_swiglu", H
+        if prob in ("gemm2", "gemm1"):
+            base, K = ("gemm_fp8_null", I) if prob == "gemm2" else ("gemm1_fp8_swiglu", H)
         elif prob.startswith("dense") and prob[len("dense"):].isdigit():
-            K = int(prob[len("dense"):])
-            runs, _ = dense_runs(rs, K, list(builds))
-            base = "gemm_fp8_null"
+            base, K = "gemm_fp8_null", int(prob[len("dense"):])
         else:
             p.error(f"unknown problem {prob!r}")
+        # the trace over this base's shipped build (GEMM 2's and GEMM 1's differ), registered
+        # as <base>+<name> when the runs are built
+        shipped = gemm_fp8.SHIPPED[base]
+        over = {"trace": (shipped, TRACE), **({"trace, no loads": (shipped, NO_LOADS)} if args.no_loads else {}),
+                **{f"trace on {k}": (k, TRACE) for k in args.on}}
+        builds = list(over)
+        for name, (knob, defines) in over.items():
+            gemm_fp8.KNOBS[name] = {**gemm_fp8.KNOBS[knob], **defines}
+        # runs as launch/jobs/time_gemm_sustained.py makes them: "FP8, <build>" is variant <base>+<build>
+        if prob == "gemm2":
+            runs, _ = gemm2_runs(rs, offsets_host, weights, H, I, builds, None, [])
+        elif prob == "gemm1":
+            runs, _ = gemm1_runs(rs, offsets_host, weights, H, I, builds, None, [])
+        else:
+            runs, _ = dense_runs(rs, K, builds)
         for build in builds:
             us, stamps = traced_launch(f"{base}+{build}", runs[f"FP8, {build}"][0])
             print_summary(f"{prob}, {build}", us, summarize(stamps, K // 128))
