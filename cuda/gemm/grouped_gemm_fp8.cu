@@ -387,7 +387,8 @@ __device__ unsigned char epserve_gemm_sm_side[256];
 // kTraceCtas CTAs and kTraceTiles tiles of each, by predicated stores (no branch in the tile
 // loop). Slots: 0-3 the first consumer warpgroup before its tile's first wait, after it, after
 // the k-loop, after the hand-over; 4-5 the same warpgroup after its k-blocks 0 and 1 (whole
-// 128-row tiles); 6-7 the producer before taking the tile from the counter and after decoding it.
+// 128-row tiles); 6-7 the producer before taking the tile from the counter and after decoding it
+// (with EPSERVE_GEMM_FP8_TAKE_AHEAD, 7 only, but for the first tile).
 constexpr bool kTrace = EPSERVE_GEMM_FP8_TRACE != 0;
 constexpr int kTraceCtas = 132, kTraceTiles = 128, kTraceSlots = 8;
 extern "C" {
@@ -655,7 +656,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           // decode then sits between this tile's last load and the next tile's first. (Between
           // two loops: taken inside the k-loop, its registers spilled.)
           load_k_block(0);
-          trace_point(true, seq, 6);
+          // (no stamp 6 here: one more register live across the take spilled in the trace build)
           const unsigned long long taken = take_issue();
           if (k_blocks > 1) mbarrier_wait(&empty[stage], phase ^ 1);  // load_k_block(1)'s wait then returns at once
           decode_ahead(take_index(taken));
