@@ -127,23 +127,28 @@
 //   over the experts and two global loads on their path into every tile). Same bits: the same
 //   tile. Shipped since the twenty-third session: GEMM 2 0.8-2.6% faster (4.6% in one run),
 //   GEMM 1 unchanged (-1.3% to +0.3%), timed as the bench times them (notes/gemm.md).
-// - EPSERVE_GEMM_FP8_SMEM_OFFSETS=1 (not yet timed): the scheduler keeps the expert offsets in
+// - EPSERVE_GEMM_FP8_SMEM_OFFSETS=1 (no faster: GEMM 2 -0.1% gated, +1.1% null, twenty-fourth
+//   session): the scheduler keeps the expert offsets in
 //   shared memory (gemm/tile_scheduler.cuh), so the producer's decode of each tile makes no
 //   global load. The twenty-third session's stamps put the producer's take and decode at
 //   ~3000 cycles on GEMM 2 (~1800 for one expert), on the path between a tile's last load and
 //   the next tile's first, whose late arrival is GEMM 2's largest cost per tile. Same bits:
 //   the same offsets.
-// - EPSERVE_GEMM_FP8_TAKE_AHEAD=1 (not yet timed): the producer takes the next tile from the
+// - EPSERVE_GEMM_FP8_TAKE_AHEAD=1 (shipped for GEMM 2 since the twenty-fourth session, 2-4% faster;
+//   GEMM 1 4-7% slower with it, as each CTA claims its next tile a whole long tile early): the
+//   producer takes the next tile from the
 //   counter during this one's loads (the atomic after its first stage's loads, the answer read
 //   after the wait for its second stage) and decodes it into shared memory, instead of
 //   between this tile's last load and the next one's first. The stamps put that gap (~3000
 //   cycles) on GEMM 2's path into each tile: its ring has 3 stages (its bf16 output tile
 //   takes 66 KB), and the next tile's first stage arrived ~2100 cycles after the consumers
 //   wanted it. Same bits: the same tiles, each CTA taking one tile ahead of the one it works on.
-// - EPSERVE_GEMM_FP8_FIRST_FMA=1 (not yet timed): k-block 0's promotion starts the sums,
+// - EPSERVE_GEMM_FP8_FIRST_FMA=1 (measured 1-2% slower: k-block 0 shorter, k-block 1 longer):
+//   k-block 0's promotion starts the sums,
 //   fma(part, scale, +0), instead of zeroing 128 registers first (128 tiles: the stamps put
 //   k-block 0 ~900 cycles above the later ones). Same bits: the same fma with the same +0.
-// - EPSERVE_GEMM_FP8_MBARRIER_MAILBOX=1 (not yet timed): the finished tile goes to the writer
+// - EPSERVE_GEMM_FP8_MBARRIER_MAILBOX=1 (measured no faster: GEMM 2 null +0.9%, GEMM 1 +0.8%):
+//   the finished tile goes to the writer
 //   or send warps through sinks/tile_mailbox_mbarrier.cuh's mailbox (two mbarriers) instead of
 //   TileMailbox's named barriers, with which every consumer thread's hand-over and drain waited
 //   for all of them: the two consumer warpgroups left each tile in step, both out of the MMA at

@@ -56,7 +56,7 @@ KNOBS: dict[str, dict[str, int]] = {
     "split-nosides": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_L2_SIDES": 0, "EPSERVE_GEMM_FP8_PUBLISH_TILE": 0},
     # the shipped build until the twenty-third session: the consumers decode each tile themselves
     "split-unpublished": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_PUBLISH_TILE": 0},
-    # the expert offsets in shared memory for the tile decode (built in the twenty-third session, not yet timed)
+    # the expert offsets in shared memory for the tile decode (twenty-third session; no faster)
     "split+offsets": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_SMEM_OFFSETS": 1},
     # the next tile taken from the counter during this one's loads (twenty-fourth session)
     "split+ahead": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1},
