@@ -19,23 +19,28 @@ struct SendMailbox {
 };
 static_assert(sizeof(SendMailbox) == 5 * sizeof(int), "hand_over posts the mailbox as five 32-bit words in this order");
 
+// Thread 0 of the output threads posts where the tile belongs (done = 0). By predicated stores,
+// not `if (tid == 0)`: that branch made ptxas keep the FP8 GEMM's whole tile loop, its stage
+// index and every wgmma descriptor, out of the uniform registers, with 2-4 R2UR ahead of each
+// wgmma; without it the FP8 GEMMs ran 4-5% faster (notes/gemm.md, twelfth and thirteenth
+// sessions).
+__device__ __forceinline__ void post_mailbox(SendMailbox* box, const SmemTile& tile, int m_abs, int n_abs, int tid) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.eq.s32 p, %0, 0;\n"
+      "@p st.shared.b32 [%1], %2;\n@p st.shared.b32 [%1+4], %3;\n@p st.shared.b32 [%1+8], %4;\n"
+      "@p st.shared.b32 [%1+12], %5;\n@p st.shared.b32 [%1+16], %6;\n}\n" ::"r"(tid),
+      "r"(epserve::smem_u32(box)), "r"(m_abs), "r"(n_abs), "r"(tile.rows), "r"(tile.cols), "r"(0)
+      : "memory");
+}
+
 template <int kOutputThreads, int kWorkerThreads, int kFullBarrier = 2, int kDrainBarrier = 3>
 struct TileMailbox {
   static constexpr int kParties = kOutputThreads + kWorkerThreads;
 
   // Output warps: the tile is in shared memory; tell the workers where it belongs. The
   // barrier also makes every output thread's tile writes visible to the workers.
-  // The mailbox is posted by predicated stores, not `if (tid == 0)`: that branch made ptxas
-  // keep the FP8 GEMM's whole tile loop, its stage index and every wgmma descriptor, out of
-  // the uniform registers, with 2-4 R2UR ahead of each wgmma; without it the FP8 GEMMs ran
-  // 4-5% faster (notes/gemm.md, twelfth and thirteenth sessions).
   __device__ static void hand_over(SendMailbox* box, const SmemTile& tile, int m_abs, int n_abs, int tid) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.eq.s32 p, %0, 0;\n"
-        "@p st.shared.b32 [%1], %2;\n@p st.shared.b32 [%1+4], %3;\n@p st.shared.b32 [%1+8], %4;\n"
-        "@p st.shared.b32 [%1+12], %5;\n@p st.shared.b32 [%1+16], %6;\n}\n" ::"r"(tid),
-        "r"(epserve::smem_u32(box)), "r"(m_abs), "r"(n_abs), "r"(tile.rows), "r"(tile.cols), "r"(0)
-        : "memory");
+    post_mailbox(box, tile, m_abs, n_abs, tid);
     epserve::named_barrier_sync_across_roles<kFullBarrier, kParties>();
   }
 

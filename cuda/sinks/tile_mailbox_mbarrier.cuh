@@ -32,14 +32,9 @@ struct TileMailboxMbarrier {
     epserve::mbarrier_init(&barriers(box)->free, kWorkerThreads);
   }
   // Output threads: this thread's part of the tile is in shared memory (tid 0 posts the
-  // mailbox, by predicated stores as TileMailbox::hand_over says why); the arrive releases it.
+  // mailbox: post_mailbox); the arrive releases it.
   __device__ static void hand_over(SendMailbox* box, const SmemTile& tile, int m_abs, int n_abs, int tid) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.eq.s32 p, %0, 0;\n"
-        "@p st.shared.b32 [%1], %2;\n@p st.shared.b32 [%1+4], %3;\n@p st.shared.b32 [%1+8], %4;\n"
-        "@p st.shared.b32 [%1+12], %5;\n@p st.shared.b32 [%1+16], %6;\n}\n" ::"r"(tid),
-        "r"(epserve::smem_u32(box)), "r"(m_abs), "r"(n_abs), "r"(tile.rows), "r"(tile.cols), "r"(0)
-        : "memory");
+    post_mailbox(box, tile, m_abs, n_abs, tid);
     epserve::mbarrier_arrive(&barriers(box)->full);
   }
   // Output threads, before writing tile `handed`: the workers are done with tile handed - 1.
