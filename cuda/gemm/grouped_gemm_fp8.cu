@@ -128,28 +128,26 @@
 //   tile. Shipped since the twenty-third session: GEMM 2 0.8-2.6% faster (4.6% in one run),
 //   GEMM 1 unchanged (-1.3% to +0.3%), timed as the bench times them (notes/gemm.md).
 // - EPSERVE_GEMM_FP8_SMEM_OFFSETS=1 (no faster: GEMM 2 -0.1% gated, +1.1% null, twenty-fourth
-//   session): the scheduler keeps the expert offsets in
-//   shared memory (gemm/tile_scheduler.cuh), so the producer's decode of each tile makes no
-//   global load. The twenty-third session's stamps put the producer's take and decode at
+//   session): the scheduler keeps the expert offsets in shared memory
+//   (gemm/tile_scheduler.cuh), so the producer's decode of each tile makes no global load. The twenty-third session's stamps put the producer's take and decode at
 //   ~3000 cycles on GEMM 2 (~1800 for one expert), on the path between a tile's last load and
 //   the next tile's first, whose late arrival is GEMM 2's largest cost per tile. Same bits:
 //   the same offsets.
-// - EPSERVE_GEMM_FP8_TAKE_AHEAD=1 (shipped for GEMM 2 since the twenty-fourth session, 2-4% faster;
-//   GEMM 1 4-7% slower with it, as each CTA claims its next tile a whole long tile early): the
-//   producer takes the next tile from the
-//   counter during this one's loads (the atomic after its first stage's loads, the answer read
-//   after the wait for its second stage) and decodes it into shared memory, instead of
-//   between this tile's last load and the next one's first. The stamps put that gap (~3000
+// - EPSERVE_GEMM_FP8_TAKE_AHEAD=1 (shipped for GEMM 2 since the twenty-fourth session, 2-4%
+//   faster; GEMM 1 4-7% slower with it, as each CTA claims its next tile a whole long tile
+//   early): the producer takes the next tile from the counter during this one's loads (the
+//   atomic after its first stage's loads, the answer read after the wait for its second
+//   stage) and decodes it into shared memory, instead of between this tile's last load and
+//   the next one's first. The stamps put that gap (~3000
 //   cycles) on GEMM 2's path into each tile: its ring has 3 stages (its bf16 output tile
 //   takes 66 KB), and the next tile's first stage arrived ~2100 cycles after the consumers
 //   wanted it. Same bits: the same tiles, each CTA taking one tile ahead of the one it works on.
 // - EPSERVE_GEMM_FP8_FIRST_FMA=1 (measured 1-2% slower: k-block 0 shorter, k-block 1 longer):
-//   k-block 0's promotion starts the sums,
-//   fma(part, scale, +0), instead of zeroing 128 registers first (128 tiles: the stamps put
-//   k-block 0 ~900 cycles above the later ones). Same bits: the same fma with the same +0.
+//   k-block 0's promotion starts the sums, fma(part, scale, +0), instead of zeroing 128
+//   registers first (128 tiles: the stamps put k-block 0 ~900 cycles above the later ones). Same bits: the same fma with the same +0.
 // - EPSERVE_GEMM_FP8_MBARRIER_MAILBOX=1 (measured no faster: GEMM 2 null +0.9%, GEMM 1 +0.8%):
-//   the finished tile goes to the writer
-//   or send warps through sinks/tile_mailbox_mbarrier.cuh's mailbox (two mbarriers) instead of
+//   the finished tile goes to the writer or send warps through
+//   sinks/tile_mailbox_mbarrier.cuh's mailbox (two mbarriers) instead of
 //   TileMailbox's named barriers, with which every consumer thread's hand-over and drain waited
 //   for all of them: the two consumer warpgroups left each tile in step, both out of the MMA at
 //   once for the epilogue (~770 cycles on GEMM 2, ~4200 on GEMM 1) and both back into it at
@@ -226,6 +224,24 @@ constexpr bool kPublishTile = EPSERVE_GEMM_FP8_PUBLISH_TILE != 0;
 // A tile's first stage carries its index, and with kPublishTile its coordinates as the
 // producer decoded them (index, expert, m_abs, m_end, n_abs, rows).
 constexpr int kStageTileInts = kPublishTile ? 6 : 1;
+// A decoded tile in shared memory after its index (slot[0]): a tile's first stage with
+// kPublishTile, the next tile with EPSERVE_GEMM_FP8_TAKE_AHEAD.
+__device__ __forceinline__ void store_tile(int* slot, const GroupedTile& t) {
+  slot[1] = t.expert;
+  slot[2] = t.m_abs;
+  slot[3] = t.m_end;
+  slot[4] = t.n_abs;
+  slot[5] = t.rows;
+}
+__device__ __forceinline__ GroupedTile load_tile(const int* slot) {
+  GroupedTile t;
+  t.expert = slot[1];
+  t.m_abs = slot[2];
+  t.m_end = slot[3];
+  t.n_abs = slot[4];
+  t.rows = slot[5];
+  return t;
+}
 constexpr bool kSmemOffsets = EPSERVE_GEMM_FP8_SMEM_OFFSETS != 0;
 constexpr bool kTakeAhead = EPSERVE_GEMM_FP8_TAKE_AHEAD != 0;
 // The arrivals that free a stage: one per consumer thread (the consumers' `release` says why).
@@ -552,11 +568,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         ahead[0] = next_index;
         if (next_index < sched.total_tiles) {
           const GroupedTile n = sched.tile(next_index);
-          ahead[1] = n.expert;
-          ahead[2] = n.m_abs;
-          ahead[3] = n.m_end;
-          ahead[4] = n.n_abs;
-          ahead[5] = n.rows;
+          store_tile(ahead, n);
           if constexpr (kPublishTile) prefetch_b_scales(n);
         }
       };
@@ -571,15 +583,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           index = ahead[0];
         } else {
           trace_point(true, seq, 6);
-          if constexpr (kL2Sides) {  // counts taken from the front (low word) and from the back
-            const unsigned long long taken = atomicAdd(reinterpret_cast<unsigned long long*>(tile_counter),
-                                                       side ? 1ull << 32 : 1ull);
-            const int front = static_cast<int>(taken & 0xffffffffu), back = static_cast<int>(taken >> 32);
-            index = front + back >= sched.total_tiles ? sched.total_tiles
-                                                      : (side ? sched.total_tiles - 1 - back : front);
-          } else {
-            index = atomicAdd(tile_counter, 1);
-          }
+          index = take_index(take_issue());
         }
         if (index >= sched.total_tiles) {
           mbarrier_wait(&empty[stage], phase ^ 1);
@@ -596,11 +600,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         }
         GroupedTile t;
         if constexpr (kTakeAhead) {
-          t.expert = ahead[1];
-          t.m_abs = ahead[2];
-          t.m_end = ahead[3];
-          t.n_abs = ahead[4];
-          t.rows = ahead[5];
+          t = load_tile(ahead);
         } else {
           t = sched.tile(index);
           trace_point(true, seq, 7);  // after the tile's coordinates: after the counter's answer
@@ -617,13 +617,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           if (kt == 0) {
             int* st = stage_tile + stage * kStageTileInts;
             st[0] = index;
-            if constexpr (kPublishTile) {
-              st[1] = t.expert;
-              st[2] = t.m_abs;
-              st[3] = t.m_end;
-              st[4] = t.n_abs;
-              st[5] = t.rows;
-            }
+            if constexpr (kPublishTile) store_tile(st, t);
           }
           if (kZeroPadding && kt == 0 && t.m_abs + 64 * a_boxes > t.m_end) {
             // Rows past the expert's end (the next expert's) load as zeros: the same sums for
@@ -720,16 +714,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       const int* st = stage_tile + stage * kStageTileInts;
       const int index = st[0];
       if (index < 0) break;
-      GroupedTile t;
-      if constexpr (kPublishTile) {
-        t.expert = st[1];
-        t.m_abs = st[2];
-        t.m_end = st[3];
-        t.n_abs = st[4];
-        t.rows = st[5];
-      } else {
-        t = sched.tile(index);
-      }
+      const GroupedTile t = kPublishTile ? load_tile(st) : sched.tile(index);
       // The weight scale rows of the tile's two halves: the gate block and its up block, or
       // two neighbouring blocks; GEMM 2's last tile may have no second half.
       const bool second_half = kSwiGLU || (kBN == 256 && t.n_abs + kHalfN < N);
