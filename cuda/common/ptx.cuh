@@ -37,6 +37,14 @@ __device__ __forceinline__ uint4 ld_shared_v4(const void* p) {
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
   return v;
 }
+// Four 8 x 8 b16 matrices to shared memory in one instruction: lane t holds row t / 4, columns
+// 2 (t % 4) and + 1 of each (r0 .. r3, one matrix each), and lanes 8i .. 8i + 7 give the
+// addresses of matrix i's eight 16-byte rows.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
 // Plain (weak) 16-byte store through a generic pointer: local memory or a peer's IPC mapping.
 __device__ __forceinline__ void st_v4(void* p, uint4 v) {
   asm volatile("st.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");

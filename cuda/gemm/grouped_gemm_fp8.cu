@@ -154,6 +154,21 @@
 //   once. Now each goes on as soon as its own rows are written, and the other one's wgmmas
 //   can fill the tensor pipe meanwhile. Same bits: the same tile in the same shared memory.
 //   Not with the bulk send warps (their hand-over fences the async proxy).
+// - EPSERVE_GEMM_FP8_SWIGLU_ON_WRITERS=1 (GEMM 1): the consumers leave the tile's gate and up
+//   sums as bf16 (GEMM 2's output tile: 128 rows of 256 columns, gate then up) and the three
+//   writer warps apply SwiGLU and act's quantization, a row at a time (a lane a 4-column
+//   group, the row's amax by five shuffles), storing act's e4m3 and its scale straight to
+//   global memory. The stamps put GEMM 1's epilogue + hand-over at ~4000 of a tile's ~72000
+//   cycles, both consumer warpgroups out of the MMA meanwhile; GEMM 2's bf16 hand-over costs
+//   ~770. The price: the 66 KB bf16 tile leaves room for 3 ring stages instead of 4. Same
+//   bits: the epilogue rounds the sums to bf16 first anyway, and the writers call the very
+//   functions the consumers did (swiglu_bf16x2, the amax from +0, fp8_inv_scale,
+//   quantize_bf16x2, fp8_scale); a row's max does not depend on the order it is taken in.
+// - EPSERVE_GEMM_FP8_STMATRIX=1: the bf16 output tile (GEMM 2's; GEMM 1's with
+//   EPSERVE_GEMM_FP8_SWIGLU_ON_WRITERS) is written by stmatrix, four 8 x 8 blocks an
+//   instruction, instead of one 4-byte store per value pair: 16 stores a thread instead of
+//   64 in the epilogue, while both consumer warpgroups are out of the MMA. Same bits: the same
+//   bf16 pairs at the same places (the wgmma accumulator's fragment is stmatrix's).
 // Diagnostic build: EPSERVE_GEMM_FP8_TRACE=1 stamps %clock64 at points of each tile into
 // epserve_gemm_trace (below); launch/jobs/trace_gemm_fp8.py reads them.
 #ifndef EPSERVE_GEMM_FP8_SPLIT_TAILS
@@ -204,6 +219,12 @@
 #ifndef EPSERVE_GEMM_FP8_MBARRIER_MAILBOX
 #define EPSERVE_GEMM_FP8_MBARRIER_MAILBOX 0
 #endif
+#ifndef EPSERVE_GEMM_FP8_SWIGLU_ON_WRITERS
+#define EPSERVE_GEMM_FP8_SWIGLU_ON_WRITERS 0
+#endif
+#ifndef EPSERVE_GEMM_FP8_STMATRIX
+#define EPSERVE_GEMM_FP8_STMATRIX 0
+#endif
 
 namespace {
 
@@ -216,6 +237,8 @@ static_assert(kBN == 256 || (kBN == 128 && !kSwiGLU), "EPSERVE_GEMM_FP8_BN: 256,
                                                       "holds a whole 128-column act block: 256 accumulator columns)");
 constexpr int kHalfN = 128;  // columns of one part, and of one weight scale block
 constexpr int kOutCols = kSwiGLU ? kBN / 2 : kBN;
+// EPSERVE_GEMM_FP8_SWIGLU_ON_WRITERS: GEMM 1's SwiGLU and quantization on the writer warps.
+constexpr bool kWriterSwiGLU = kSwiGLU && EPSERVE_GEMM_FP8_SWIGLU_ON_WRITERS != 0;
 constexpr int kConsumers = 2, kConsumerThreads = 128 * kConsumers;
 constexpr bool kReleaseByWarpgroup = EPSERVE_GEMM_FP8_RELEASE_BY_WARPGROUP != 0;
 constexpr bool kZeroPadding = EPSERVE_GEMM_FP8_ZERO_PADDING != 0;
@@ -295,15 +318,18 @@ static_assert(!kOverlap || kBN == 128 || EPSERVE_GEMM_FP8_SPLIT_TAILS, "EPSERVE_
 constexpr int kSplitBarrierConsumers = 5, kSplitBarrierFirst = 6;
 
 // The finished tile in shared memory. GEMM 2: kBM rows of kOutCols bf16, each row padded by
-// 16 bytes (bank spread; the peer sink reads rows by stride), as in the bf16 kernel. GEMM 1:
-// kBM rows of 128 e4m3 with each row's 16-byte chunks rotated by row % 8 (the consumers'
-// 2-byte writes then spread over the banks), followed by the rows' scales.
+// 16 bytes (bank spread; the peer sink reads rows by stride), as in the bf16 kernel; GEMM 1
+// with kWriterSwiGLU the same, its kBN sums (gate, then up) a row. GEMM 1: kBM rows of 128
+// e4m3 with each row's 16-byte chunks rotated by row % 8 (the consumers' 2-byte writes then
+// spread over the banks), followed by the rows' scales.
 struct OutTile {
-  static constexpr int kLd = kOutCols + 8;  // bf16 elements between GEMM 2's rows
-  static constexpr int kRowBytes = kSwiGLU ? kOutCols : kLd * 2;
-  static constexpr int kBytes = kBM * kRowBytes + (kSwiGLU ? kBM * 4 : 0);
+  static constexpr bool kBf16 = !kSwiGLU || kWriterSwiGLU;
+  static constexpr int kCols = kBf16 ? kBN : kOutCols;  // columns the consumers write
+  static constexpr int kLd = kCols + 8;  // bf16 elements between rows
+  static constexpr int kRowBytes = kBf16 ? kLd * 2 : kOutCols;
+  static constexpr int kBytes = kBM * kRowBytes + (kBf16 ? 0 : kBM * 4);
   __device__ static int byte_offset(int row, int col) {
-    if constexpr (kSwiGLU) return row * kRowBytes + (((col >> 4) ^ (row & 7)) << 4) + (col & 15);
+    if constexpr (!kBf16) return row * kRowBytes + (((col >> 4) ^ (row & 7)) << 4) + (col & 15);
     return row * kRowBytes + col * 2;
   }
 };
@@ -341,6 +367,20 @@ __device__ __forceinline__ int scale_box_col(int m_abs) {
 template <int kBlocks>
 __device__ __forceinline__ void store_bf16_tile_rows(unsigned char* out_tile, const float (&sum)[128], int row,
                                                      int col0) {
+  if constexpr (EPSERVE_GEMM_FP8_STMATRIX) {
+    // Blocks j and j + 1, each its rows 0-7 and 8-15 (the warp's 16): lane t's address is row
+    // t % 8 of block j + t / 16, top (t & 8 == 0) or bottom; from one block pair to the next
+    // the addresses move by 16 columns (32 bytes).
+    static_assert(kBlocks % 2 == 0, "blocks in pairs");
+    const int lane = threadIdx.x % 32;
+    const uint32_t base = smem_u32(out_tile + OutTile::byte_offset(row - lane / 4 + (lane & 7) + (lane & 8),
+                                                                   col0 - 2 * (lane % 4) + 8 * (lane >> 4)));
+#pragma unroll
+    for (int j = 0; j < kBlocks; j += 2)
+      stmatrix_x4(base + 16 * j, pack_bf16x2(sum[4 * j], sum[4 * j + 1]), pack_bf16x2(sum[4 * j + 2], sum[4 * j + 3]),
+                  pack_bf16x2(sum[4 * j + 4], sum[4 * j + 5]), pack_bf16x2(sum[4 * j + 6], sum[4 * j + 7]));
+    return;
+  }
 #pragma unroll
   for (int j = 0; j < kBlocks; ++j) {
     *reinterpret_cast<uint32_t*>(out_tile + OutTile::byte_offset(row, col0 + 8 * j)) =
@@ -364,6 +404,27 @@ __device__ __forceinline__ void store_act_rows(unsigned char* out_tile, float* o
   if (lane % 4 == 0) {
     out_scales[row] = s.x;
     out_scales[row + 8] = s.y;
+  }
+}
+
+// kWriterSwiGLU: a writer thread's share of GEMM 1's epilogue on the bf16 tile (gate columns
+// [0, 128), up [128, 256)): a warp a row, lane l act columns 4l .. 4l + 3, as store_act_rows
+// computes them (the same functions on the same bf16 values), stored to act's e4m3 rows and
+// the row's scale. writer: 0 .. kCWriterWarps * 32 - 1.
+__device__ __forceinline__ void write_act_rows(const unsigned char* out_tile, unsigned char* act, float* act_scales,
+                                               long long scale_ld, const SendMailbox& m, int N, int writer) {
+  const int warp = writer / 32, lane = writer % 32;
+  for (int r = warp; r < m.rows; r += kCWriterWarps) {
+    const uint2 gate = *reinterpret_cast<const uint2*>(out_tile + OutTile::byte_offset(r, 4 * lane));
+    const uint2 up = *reinterpret_cast<const uint2*>(out_tile + OutTile::byte_offset(r, kHalfN + 4 * lane));
+    const uint32_t act0 = swiglu_bf16x2(gate.x, up.x), act1 = swiglu_bf16x2(gate.y, up.y);
+    float amax = fmaxf(fmaxf(0.f, bf16x2_amax(act0)), bf16x2_amax(act1));
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+    const float inv = fp8_inv_scale(amax);
+    *reinterpret_cast<uint32_t*>(act + static_cast<long long>(m.m_abs + r) * N + m.n_abs + 4 * lane) =
+        quantize_bf16x2(act0, inv) | static_cast<uint32_t>(quantize_bf16x2(act1, inv)) << 16;
+    if (lane == 0) act_scales[(m.n_abs / kHalfN) * scale_ld + m.m_abs + r] = fp8_scale(amax);
   }
 }
 
@@ -494,6 +555,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         constexpr int kChunks = kOutCols * (kSwiGLU ? 1 : 2) / 16;  // 16-byte chunks of a tile row
         const int row_bytes = N * (kSwiGLU ? 1 : 2);
         auto write_out = [&](const SendMailbox& m) {
+          if constexpr (kWriterSwiGLU) {
+            write_act_rows(out_tile, static_cast<unsigned char*>(C), c_scales, c_scale_ld, m, N, writer);
+            return;
+          }
           const int elem = kSwiGLU ? 1 : 2;
           for (int i = writer; i < m.rows * kChunks; i += kCWriterWarps * 32) {
             const int r = i / kChunks, c = (i % kChunks) * 16 / elem;  // c: the chunk's first column
@@ -851,7 +916,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         else CMailbox::drain();
       }
       if (split) {
-        if constexpr (kSwiGLU) {
+        if constexpr (kSwiGLU && !kWriterSwiGLU) {
           // The second warpgroup's up half to the first one, as the bf16 pairs the epilogue
           // makes of it first (pack_bf16x2 of a bf16 value widened to fp32 gives it back), in
           // the output tile's bytes (16 KB, free since the drain; word i of thread t at
@@ -878,10 +943,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           store_bf16_tile_rows<kHalfN / 8>(out_tile, sum, srow, warpgroup * kHalfN + 2 * (lane % 4));
         }
       } else if (computes) {
-        if constexpr (kSwiGLU) {
+        if constexpr (!OutTile::kBf16) {
           store_act_rows(out_tile, out_scales, sum, row, lane);
         } else {
-          store_bf16_tile_rows<kOutCols / 8>(out_tile, sum, row, 2 * (lane % 4));
+          store_bf16_tile_rows<OutTile::kCols / 8>(out_tile, sum, row, 2 * (lane % 4));
         }
       }
       // The hand-over's barrier publishes the tile to the writer warps.

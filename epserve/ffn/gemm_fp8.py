@@ -73,13 +73,25 @@ KNOBS: dict[str, dict[str, int]] = {
                             "EPSERVE_GEMM_FP8_SMEM_OFFSETS": 1},
     "split+ahead+firstfma+mbox": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1,
                                   "EPSERVE_GEMM_FP8_FIRST_FMA": 1, "EPSERVE_GEMM_FP8_MBARRIER_MAILBOX": 1},
+    # GEMM 1 only: SwiGLU and act's quantization on the writer warps, the consumers leaving bf16
+    # gate and up sums (GEMM 2's output tile; 3 ring stages instead of 4, so with the take-ahead
+    # GEMM 2's 3 stages need; without it the producer's 40 registers spill 8 bytes)
+    "split+ahead+wswiglu": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1,
+                            "EPSERVE_GEMM_FP8_SWIGLU_ON_WRITERS": 1},
+    # the bf16 output tile written by stmatrix (GEMM 2's, and GEMM 1's with wswiglu)
+    "split+ahead+stsm": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1, "EPSERVE_GEMM_FP8_STMATRIX": 1},
+    "split+ahead+wswiglu+stsm": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1,
+                                 "EPSERVE_GEMM_FP8_SWIGLU_ON_WRITERS": 1, "EPSERVE_GEMM_FP8_STMATRIX": 1},
 }
 SHIPPED = {"gemm_fp8_null": "split+ahead", "gemm_fp8_peer": "split+ahead", "gemm1_fp8_swiglu": "split"}
 
 
 def knob_applies(base: str, knob: str) -> bool:
-    """Whether KNOBS[knob] builds with variant `base` (the 128-wide tile is GEMM 2's)."""
-    return not (base.startswith("gemm1") and "n128" in knob)
+    """Whether KNOBS[knob] builds with variant `base` (the 128-wide tile is GEMM 2's, the
+    writer warps' SwiGLU GEMM 1's; stmatrix writes a bf16 tile, which GEMM 1 has with wswiglu only)."""
+    if base.startswith("gemm1"):
+        return "n128" not in knob and ("stsm" not in knob or "wswiglu" in knob)
+    return "wswiglu" not in knob
 
 
 def build_variant(base: str) -> str:

@@ -351,7 +351,8 @@ FP8_KNOB_BUILDS = [("2", "plain"), ("2", "split"), ("2", "split-unzeroed"), ("2"
                    ("1", "split+ahead"), ("2", "split+firstfma"), ("1", "split+firstfma"), ("2", "split+ahead+firstfma"),
                    ("1", "split+ahead+firstfma"), ("2", "split+ahead+offsets"), ("1", "split+ahead+offsets"),
                    ("2", "split+mbox"), ("1", "split+mbox"), ("2", "split+ahead+mbox"), ("1", "split+ahead+mbox"),
-                   ("2", "split+ahead+firstfma+mbox"), ("1", "split+ahead+firstfma+mbox")]
+                   ("2", "split+ahead+firstfma+mbox"), ("1", "split+ahead+firstfma+mbox"),
+                   ("1", "split+ahead+wswiglu"), ("2", "split+ahead+stsm"), ("1", "split+ahead+wswiglu+stsm")]
 
 
 @pytest.mark.parametrize("gemm,knob", FP8_KNOB_BUILDS)
@@ -372,7 +373,9 @@ def test_fp8_build_knobs_give_the_same_bits(knob, gemm, rows, K, monkeypatch):
     the expert offsets from shared memory; ahead: the producer takes the next tile during this
     one's loads (K = 128: a tile of one k-block, taken ahead at once); firstfma: k-block 0's
     promotion starts the sums; mbox: the tile handed to the writer warps through mbarriers, the
-    warpgroups never waiting for each other. The rows hold tails of 1 .. 64 rows (split) and
+    warpgroups never waiting for each other; wswiglu (GEMM 1): SwiGLU and act's quantization
+    on the writer warps, from the bf16 gate and up sums the consumers leave; stsm: the bf16
+    output tile written by stmatrix. The rows hold tails of 1 .. 64 rows (split) and
     65 .. 127 (not), whole tiles, empty experts, and more tiles than SMs (a CTA meets split
     and unsplit tiles in turn); K from 1 to 5 k-blocks (the overlapped loop's two-a-pass body
     and both of its endings); GEMM 2's N = 384 leaves its last 256-wide column tile without a
