@@ -154,7 +154,9 @@
 //   once. Now each goes on as soon as its own rows are written, and the other one's wgmmas
 //   can fill the tensor pipe meanwhile. Same bits: the same tile in the same shared memory.
 //   Not with the bulk send warps (their hand-over fences the async proxy).
-// - EPSERVE_GEMM_FP8_SWIGLU_ON_WRITERS=1 (GEMM 1): the consumers leave the tile's gate and up
+// - EPSERVE_GEMM_FP8_SWIGLU_ON_WRITERS=1 (GEMM 1; measured 5-6.5% slower with the take-ahead,
+//   twenty-fifth session: with 3 stages GEMM 1's k-blocks took 1293 cycles against 1239, more
+//   than the epilogue gave back): the consumers leave the tile's gate and up
 //   sums as bf16 (GEMM 2's output tile: 128 rows of 256 columns, gate then up) and the three
 //   writer warps apply SwiGLU and act's quantization, a row at a time (a lane a 4-column
 //   group, the row's amax by five shuffles), storing act's e4m3 and its scale straight to
@@ -164,7 +166,8 @@
 //   bits: the epilogue rounds the sums to bf16 first anyway, and the writers call the very
 //   functions the consumers did (swiglu_bf16x2, the amax from +0, fp8_inv_scale,
 //   quantize_bf16x2, fp8_scale); a row's max does not depend on the order it is taken in.
-// - EPSERVE_GEMM_FP8_STMATRIX=1: the bf16 output tile (GEMM 2's; GEMM 1's with
+// - EPSERVE_GEMM_FP8_STMATRIX=1 (measured no faster, twenty-fifth session: GEMM 2 gated -0.3%,
+//   null +0.7%, dense K = 2048 +1.5%): the bf16 output tile (GEMM 2's; GEMM 1's with
 //   EPSERVE_GEMM_FP8_SWIGLU_ON_WRITERS) is written by stmatrix, four 8 x 8 blocks an
 //   instruction, instead of one 4-byte store per value pair: 16 stores a thread instead of
 //   64 in the epilogue, while both consumer warpgroups are out of the MMA. Same bits: the same

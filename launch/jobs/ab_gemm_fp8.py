@@ -30,7 +30,7 @@ import time
 import numpy as np
 from time_gemm import rows_per_expert  # launch/jobs/time_gemm.py
 from time_gemm_fp8 import DenseFp8  # launch/jobs/time_gemm_fp8.py
-from time_gemm_sustained import block_order, fp8_builds, gemm1_runs, gemm2_runs, operands, wrong
+from time_gemm_sustained import block_order, fp8_builds, gemm1_runs, gemm2_runs, holding, operands, wrong
 
 SHIPPED = "FP8, shipped"  # time_gemm_sustained's name for the shipped build's row
 
@@ -69,7 +69,7 @@ def gated_runs(rs, offsets_host, weights, H, I, knobs):
     for name, variant in fp8_builds("gemm_fp8_peer", knobs):
         specs = gemm_fp8._specs(variant, a_q, a_s, weights.w2, weights.w2_scales, E * H, None, None, offsets, E, H,
                                 I, gated_off, -1)
-        runs[name] = (lambda specs=specs: gemm_fp8.run(specs), None, None)
+        runs[name] = (holding(gemm_fp8.run, specs, a_q, a_s), None, None)
     return runs
 
 
@@ -84,7 +84,7 @@ def dense_runs(rs, K: int, knobs):
     runs = {}
     for name, variant in fp8_builds("gemm_fp8_null", knobs):
         c = cupy.full((d.n, d.n), np.nan, BF16)
-        runs[name] = (lambda specs=d.build_specs(variant, c): gemm_fp8.run(specs), (c,), SHIPPED)
+        runs[name] = (holding(gemm_fp8.run, d.build_specs(variant, c), d), (c,), SHIPPED)
     return runs, d.flops
 
 
