@@ -74,9 +74,10 @@ KNOBS: dict[str, dict[str, int]] = {
     "split+ahead+firstfma+mbox": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1,
                                   "EPSERVE_GEMM_FP8_FIRST_FMA": 1, "EPSERVE_GEMM_FP8_MBARRIER_MAILBOX": 1},
     # GEMM 1 only: SwiGLU and act's quantization on the writer warps, the consumers leaving bf16
-    # gate and up sums (GEMM 2's output tile; 3 ring stages instead of 4, so with the take-ahead
-    # GEMM 2's 3 stages need; without it the producer's 40 registers spill 8 bytes). Twenty-fifth
-    # session: 5-6.5% slower, the fourth stage being worth more than the epilogue's cycles
+    # gate and up sums in GEMM 2's output tile, which leaves 3 ring stages instead of 4; built
+    # with the take-ahead, as GEMM 2's 3-stage ring is (without it the producer's 40 registers
+    # spill 8 bytes). Twenty-fifth session: 5-6.5% slower, the fourth stage being worth more
+    # than the epilogue's cycles
     "split+ahead+wswiglu": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1,
                             "EPSERVE_GEMM_FP8_SWIGLU_ON_WRITERS": 1},
     # the bf16 output tile written by stmatrix (GEMM 2's, and GEMM 1's with wswiglu); twenty-fifth
