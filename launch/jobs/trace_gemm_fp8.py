@@ -10,7 +10,8 @@ C) and GEMM 1 with SwiGLU. Each build is launched as the bench launches it (idle
 calls, then the traced one), and the last launch's stamps are read back. --no-loads adds the
 same build with no TMA load at all (the ring holds whatever it held: the time of the math and
 the hand-overs alone). --on adds the trace built over each given knob build
-(epserve.ffn.gemm_fp8.KNOBS) instead of the shipped one (GEMM 2's and GEMM 1's differ).
+(epserve.ffn.gemm_fp8.KNOBS) instead of the shipped one (GEMM 2's and GEMM 1's differ), on the
+problems whose GEMM the knob builds with.
 Cycles are the SM's own (%clock64), medians over the traced tiles of whole-tile rows where it
 matters (k-blocks 0 and 1).
 
@@ -120,7 +121,7 @@ def main():
         # as <base>+<name> when the runs are built
         shipped = gemm_fp8.SHIPPED[base]
         over = {"trace": (shipped, TRACE), **({"trace, no loads": (shipped, NO_LOADS)} if args.no_loads else {}),
-                **{f"trace on {k}": (k, TRACE) for k in args.on}}
+                **{f"trace on {k}": (k, TRACE) for k in args.on if gemm_fp8.knob_applies(base, k)}}
         builds = list(over)
         for name, (knob, defines) in over.items():
             gemm_fp8.KNOBS[name] = {**gemm_fp8.KNOBS[knob], **defines}
