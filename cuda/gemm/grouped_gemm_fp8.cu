@@ -31,6 +31,7 @@
 //   fp32, which is GEMM 2's A and A scales as they are. Without it (GEMM 2) C is bf16 [M, N]
 //   and the tile goes to the sink exactly as in the bf16 kernel.
 #include "common/bf16.cuh"
+#include "common/bulk_copy.cuh"
 #include "common/fp8.cuh"
 #include "common/ptx.cuh"
 #include "ffn/swiglu_quantize.cuh"
@@ -228,6 +229,9 @@
 #ifndef EPSERVE_GEMM_FP8_STMATRIX
 #define EPSERVE_GEMM_FP8_STMATRIX 0
 #endif
+#ifndef EPSERVE_GEMM_FP8_TILE_IN_RING
+#define EPSERVE_GEMM_FP8_TILE_IN_RING 0
+#endif
 
 namespace {
 
@@ -287,6 +291,17 @@ static_assert(!kMbarrierMailbox, "EPSERVE_GEMM_FP8_MBARRIER_MAILBOX: not with th
 #endif
 using MbarrierMailbox = TileMailboxMbarrier<kConsumerThreads, (kSendWarps ? Sink::kSendWarps : kCWriterWarps) * 32>;
 constexpr int kMailboxBytes = kMbarrierMailbox ? 64 : 32;  // the mailbox (and its barriers)
+// EPSERVE_GEMM_FP8_TILE_IN_RING: GEMM 2's finished tile in the stages of its last two k-blocks.
+constexpr bool kTileInRing = EPSERVE_GEMM_FP8_TILE_IN_RING != 0;
+#if defined(EPSERVE_SINK_BULK) && EPSERVE_SINK_BULK
+static_assert(!kTileInRing, "EPSERVE_GEMM_FP8_TILE_IN_RING: not with the bulk send warps (one tile base a row)");
+#endif
+static_assert(!kTileInRing || (!kSwiGLU && kBN == 256 && !EPSERVE_GEMM_FP8_OVERLAP && !kMbarrierMailbox &&
+                               !EPSERVE_GEMM_FP8_STMATRIX),
+              "EPSERVE_GEMM_FP8_TILE_IN_RING: GEMM 2's 256-wide tiles, with the named-barrier mailbox, without the "
+              "overlapped loop or stmatrix");
+// The null writer warps' own barrier (kTileInRing: all done reading a tile before its stages are freed).
+constexpr int kWriterBarrier = 7;
 static_assert(MbarrierMailbox::kBytes <= 64, "the mailbox's room");
 constexpr int kLightRegs = 40, kConsumerRegs = 232;
 static_assert(kConsumers * 128 * kConsumerRegs + 128 * kLightRegs <= 65536, "registers");
@@ -350,10 +365,21 @@ constexpr int kAheadInts = kTakeAhead ? 6 : 0;
 constexpr int kTailBytes = 2 * kMaxStages * 8 + kMailboxBytes + (kMaxStages * kStageTileInts + kAheadInts) * 4 +
                            (EPSERVE_MAX_LOCAL_EXPERTS + 1) * 4 * (kSmemOffsets ? 2 : 1);
 constexpr int kStageBytes = kStageA + kStageB + kStageScales;
-constexpr int kFitStages = (kSmemLimit - kStaticSmem - OutTile::kBytes - kTailBytes) / kStageBytes;
+// EPSERVE_GEMM_FP8_TILE_IN_RING: no output tile of its own; a stage is one block [A | B | A
+// scales] (1024-aligned, the swizzle's), and a finished tile's two 128-column halves (kBM rows
+// of kHalfLd bf16: 34 KB) go into the stages of its last two k-blocks, over their A and B.
+constexpr int kRingStageBytes = kTileInRing ? (kStageBytes + 1023) / 1024 * 1024 : kStageBytes;
+constexpr int kOutTileBytes = kTileInRing ? 0 : OutTile::kBytes;
+constexpr int kHalfLd = kHalfN + 8;  // bf16 elements between a half's rows (16 bytes of padding, as OutTile's)
+static_assert(!kTileInRing || kBM * kHalfLd * 2 <= kStageA + kStageB, "a tile's half fits a stage's A and B");
+// A stage's A, B and A scales are kAStride, kBStride, kSaStride bytes from the previous stage's.
+constexpr int kAStride = kTileInRing ? kRingStageBytes : kStageA;
+constexpr int kBStride = kTileInRing ? kRingStageBytes : kStageB;
+constexpr int kSaStride = kTileInRing ? kRingStageBytes : kStageScales;
+constexpr int kFitStages = (kSmemLimit - kStaticSmem - kOutTileBytes - kTailBytes) / kRingStageBytes;
 constexpr int kStages = kFitStages < kMaxStages ? kFitStages : kMaxStages;
 static_assert(kStages >= 2, "shared memory");
-constexpr int kSmemBytes = kStages * kStageBytes + OutTile::kBytes + kTailBytes;
+constexpr int kSmemBytes = kStages * kRingStageBytes + kOutTileBytes + kTailBytes;
 using Scheduler = GroupedTileScheduler<kBM, kOutCols, EPSERVE_GROUP_N, kSmemOffsets>;
 
 struct alignas(64) TensorMap {
@@ -390,6 +416,18 @@ __device__ __forceinline__ void store_bf16_tile_rows(unsigned char* out_tile, co
         pack_bf16x2(sum[4 * j], sum[4 * j + 1]);
     *reinterpret_cast<uint32_t*>(out_tile + OutTile::byte_offset(row + 8, col0 + 8 * j)) =
         pack_bf16x2(sum[4 * j + 2], sum[4 * j + 3]);
+  }
+}
+
+// kTileInRing: 16 n8 blocks of the sum from sum[kFrom] to one 128-column half of the tile
+// (kBM rows of kHalfLd bf16 at `half`), as store_bf16_tile_rows lays them out.
+template <int kFrom>
+__device__ __forceinline__ void store_bf16_half_rows(unsigned char* half, const float (&sum)[128], int row, int col0) {
+#pragma unroll
+  for (int j = 0; j < kHalfN / 8; ++j) {
+    const int i = kFrom + 4 * j;
+    *reinterpret_cast<uint32_t*>(half + (row * kHalfLd + col0 + 8 * j) * 2) = pack_bf16x2(sum[i], sum[i + 1]);
+    *reinterpret_cast<uint32_t*>(half + ((row + 8) * kHalfLd + col0 + 8 * j) * 2) = pack_bf16x2(sum[i + 2], sum[i + 3]);
   }
 }
 
@@ -514,11 +552,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
                              const PeerSendConfig cfg, int gate, int* __restrict__ tile_counter) {
   extern __shared__ __align__(1024) unsigned char smem[];
   unsigned char* ring_a = smem;
-  unsigned char* ring_b = ring_a + kStages * kStageA;
-  float* ring_sa = reinterpret_cast<float*>(ring_b + kStages * kStageB);
-  unsigned char* out_tile = reinterpret_cast<unsigned char*>(ring_sa) + kStages * kStageScales;
+  unsigned char* ring_b = ring_a + (kTileInRing ? kStageA : kStages * kStageA);
+  float* ring_sa = reinterpret_cast<float*>(kTileInRing ? ring_b + kStageB : ring_b + kStages * kStageB);
+  unsigned char* out_tile = smem + kStages * kRingStageBytes;  // (none with kTileInRing)
   float* out_scales = reinterpret_cast<float*>(out_tile + kBM * OutTile::kRowBytes);  // GEMM 1 only
-  uint64_t* full = reinterpret_cast<uint64_t*>(out_tile + OutTile::kBytes);
+  uint64_t* full = reinterpret_cast<uint64_t*>(out_tile + kOutTileBytes);
   uint64_t* empty = full + kStages;
   SendMailbox* mailbox = reinterpret_cast<SendMailbox*>(full + 2 * kMaxStages);
   // [kMaxStages][kStageTileInts]
@@ -529,6 +567,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x == 0) {
     if (smem_u32(smem) & 1023u) __trap();  // the 128-byte swizzle's pattern is tied to 1024-byte alignment
+    if (kTileInRing && K < 2 * kBK) __trap();  // a tile's halves need two stages (the host never launches it)
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&full[s], 1);
       mbarrier_init(&empty[s], kStageReleases);  // one arrival per consumer thread: see `release`
@@ -547,17 +586,64 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   if (warpgroup == kProducerWarpgroup) {
     setmaxnreg_dec<kLightRegs>();
     const int warp = (threadIdx.x % 128) / 32;
+    // kTileInRing: the stages holding the next tile's halves. Every tile handed over is one
+    // k_blocks stages further on in the ring (each tile is, and all are handed over where the
+    // stages are held), so the writer and send warps follow the ring without being told.
+    int ring_next = 0;  // the stage of the next tile's first k-block
+    auto held_stages = [&](int& s0, int& s1) {
+      s0 = (ring_next + k_blocks - 2) % kStages;
+      s1 = (ring_next + k_blocks - 1) % kStages;
+      ring_next = (ring_next + k_blocks) % kStages;
+    };
+    // Frees them for the producer once every writer or send thread has read them: the count of
+    // arrivals the consumers' releases would have made.
+    auto free_held = [&](int s0, int s1) {
+      mbarrier_arrive_count(&empty[s0], kStageReleases);
+      mbarrier_arrive_count(&empty[s1], kStageReleases);
+    };
     if constexpr (kSendWarps) {
-      if (warp >= 1 && warp <= Sink::kSendWarps && gate >= 0)
-        Sink::template service<kConsumerThreads, kMbarrierMailbox ? 1 : 0>(
-            SmemTile{reinterpret_cast<const bf16_t*>(out_tile), OutTile::kLd, 0, 0}, mailbox, cfg,
-            threadIdx.x % 128 - 32);
+      if constexpr (kTileInRing) {
+        int s0 = 0, s1 = 0;  // the stages of the tile being sent
+        if (warp >= 1 && warp <= Sink::kSendWarps && gate >= 0)
+          Sink::template service_halves<kConsumerThreads>(
+              [&](const bf16_t*& lo, const bf16_t*& hi) {
+                held_stages(s0, s1);
+                lo = reinterpret_cast<const bf16_t*>(smem + s0 * kRingStageBytes);
+                hi = reinterpret_cast<const bf16_t*>(smem + s1 * kRingStageBytes);
+              },
+              kHalfLd, kHalfN, [&](int send_tid) {
+                if (send_tid == 0) free_held(s0, s1);
+              },
+              mailbox, cfg, threadIdx.x % 128 - 32);
+      } else {
+        if (warp >= 1 && warp <= Sink::kSendWarps && gate >= 0)
+          Sink::template service<kConsumerThreads, kMbarrierMailbox ? 1 : 0>(
+              SmemTile{reinterpret_cast<const bf16_t*>(out_tile), OutTile::kLd, 0, 0}, mailbox, cfg,
+              threadIdx.x % 128 - 32);
+      }
     } else {
       if (warp >= 1 && warp <= kCWriterWarps) {
         const int writer = threadIdx.x % 128 - 32;
         constexpr int kChunks = kOutCols * (kSwiGLU ? 1 : 2) / 16;  // 16-byte chunks of a tile row
         const int row_bytes = N * (kSwiGLU ? 1 : 2);
         auto write_out = [&](const SendMailbox& m) {
+          if constexpr (kTileInRing) {
+            int s0, s1;
+            held_stages(s0, s1);
+            const unsigned char* half0 = smem + s0 * kRingStageBytes;
+            const unsigned char* half1 = smem + s1 * kRingStageBytes;
+            constexpr int kHalfChunks = kHalfN * 2 / 16;  // 16-byte chunks of a half's row
+            for (int i = writer; i < m.rows * 2 * kHalfChunks; i += kCWriterWarps * 32) {
+              const int r = i / (2 * kHalfChunks), c = (i % (2 * kHalfChunks)) * 8;  // c: the chunk's first column
+              const unsigned char* half = c < kHalfN ? half0 : half1;
+              if (c < m.cols)
+                st_global_v4(static_cast<unsigned char*>(C) + (static_cast<long long>(m.m_abs + r) * N + m.n_abs + c) * 2,
+                             ld_shared_v4(half + (r * kHalfLd + c % kHalfN) * 2));
+            }
+            named_barrier_sync_across_roles<kWriterBarrier, kCWriterWarps * 32>();
+            if (writer == 0) free_held(s0, s1);
+            return;
+          }
           if constexpr (kWriterSwiGLU) {
             write_act_rows(out_tile, static_cast<unsigned char*>(C), c_scales, c_scale_ld, m, N, writer);
             return;
@@ -697,13 +783,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           }
           mbarrier_expect_tx(&full[stage], a_boxes * kHalfA + kStageB + kScaleBoxBytes);
           for (int h = 0; h < a_boxes; ++h)
-            stage_load<kLoadA>("A", ring_a + stage * kStageA + h * kHalfA, a_map, &full[stage], kt * kBK,
+            stage_load<kLoadA>("A", ring_a + stage * kAStride + h * kHalfA, a_map, &full[stage], kt * kBK,
                                t.m_abs + 64 * h, 1, 1024, kHalfA, index);
           // The scales of the tile's rows, from a 16-byte aligned column (past the end of A:
           // zeros, never used).
-          stage_load<kLoadScales>("A scales", ring_sa + stage * (kStageScales / 4), &map_sa, &full[stage],
+          stage_load<kLoadScales>("A scales", ring_sa + stage * (kSaStride / 4), &map_sa, &full[stage],
                                   scale_box_col(t.m_abs), kt, 4, 128, kScaleBoxBytes, index);
-          unsigned char* b = ring_b + stage * kStageB;
+          unsigned char* b = ring_b + stage * kBStride;
           if constexpr (kSwiGLU) {  // gate rows, then the matching up rows
             stage_load<kLoadB>("B gate", b, &map_b, &full[stage], kt * kBK, b_row, 1, 1024, kStageB / 2, index);
             stage_load<kLoadB>("B up", b + kStageB / 2, &map_b, &full[stage], kt * kBK, b_row + N, 1, 1024,
@@ -775,6 +861,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     bool tile_pending = false;  // the writer warps still hold the shared output tile
     int handed = 0;             // tiles handed over (kMbarrierMailbox: the mailbox's phases)
     int seq = 0;  // tiles so far (EPSERVE_GEMM_FP8_TRACE)
+    // kTileInRing: the consumers keep the stages of a tile's last two k-blocks (k-blocks
+    // held_from on) for its output, and the writer or send warps free them. Gated off (the
+    // math alone, no output), every stage is freed as usual.
+    const int held_from = kTileInRing && (!Sink::kEnabled || gate >= 0) ? k_blocks - 2 : k_blocks;
     for (;;) {
       trace_point(tid == 0, seq, 0);
       mbarrier_wait(&full[stage], phase);  // the tile's first stage (the k-loop's wait returns at once)
@@ -805,10 +895,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         const int b_off = split ? warpgroup * kHalfN * kBK : 0;
         const float* sbh = split && warpgroup == 1 ? sb1 : sb0;
         // Reads the A scales of k-block `stage`, frees the stage, promotes p into the sum.
-        auto promote_stage = [&](const float(&p)[64], float b_scale) {
-          const float* sa = ring_sa + stage * (kStageScales / 4) + (t.m_abs - scale_box_col(t.m_abs));
+        auto promote_stage = [&](const float(&p)[64], float b_scale, bool frees = true) {
+          const float* sa = ring_sa + stage * (kSaStride / 4) + (t.m_abs - scale_box_col(t.m_abs));
           const float a_lo = sa[hrow], a_hi = sa[hrow + 8];
-          release(stage);
+          if (frees) release(stage);
           if constexpr (kMma) promote<0>(sum, p, a_lo * b_scale, a_hi * b_scale);
           advance();
         };
@@ -821,7 +911,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           uint32_t iphase = phase;
           auto issue = [&](float(&p)[64]) {
             mbarrier_wait(&full[istage], iphase);
-            k_block_mma_issue(p, ring_a + istage * kStageA + a_off, ring_b + istage * kStageB + b_off);
+            k_block_mma_issue(p, ring_a + istage * kAStride + a_off, ring_b + istage * kBStride + b_off);
             if (++istage == kStages) {
               istage = 0;
               iphase ^= 1;
@@ -864,9 +954,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             mbarrier_wait(&full[stage], phase);
             // For a split tail, the default build's first warpgroup issues these very wgmmas
             // for half h.
-            k_block_mma<kMma>(part, ring_a_desc + (stage * kStageA + a_off) / 16,
-                              ring_b_desc + (stage * kStageB + b_off) / 16);
-            promote_stage(part, b_scale);
+            k_block_mma<kMma>(part, ring_a_desc + (stage * kAStride + a_off) / 16,
+                              ring_b_desc + (stage * kBStride + b_off) / 16);
+            promote_stage(part, b_scale, !kTileInRing || kt < held_from);
           }
         }
       } else if (kBN == 256 && computes) {
@@ -875,16 +965,17 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           constexpr bool kFirst = decltype(first)::first;
           const float b_scale0 = __ldg(sb0 + kt), b_scale1 = __ldg(sb1 + kt);  // in flight during the wait
           mbarrier_wait(&full[stage], phase);
-          const float* sa = ring_sa + stage * (kStageScales / 4) + (t.m_abs - scale_box_col(t.m_abs));
+          const float* sa = ring_sa + stage * (kSaStride / 4) + (t.m_abs - scale_box_col(t.m_abs));
           const float a_lo = sa[row], a_hi = sa[row + 8];
-          const uint32_t a = ring_a_desc + (stage * kStageA + warpgroup * kHalfA) / 16;
-          const uint32_t b = ring_b_desc + stage * kStageB / 16;
+          const uint32_t a = ring_a_desc + (stage * kAStride + warpgroup * kHalfA) / 16;
+          const uint32_t b = ring_b_desc + stage * kBStride / 16;
           k_block_mma<kMma>(part, a, b);
-          if (!second_half) release(stage);
+          const bool frees = !kTileInRing || kt < held_from;
+          if (!second_half && frees) release(stage);
           if constexpr (kMma) promote<0, kFirst>(sum, part, a_lo * b_scale0, a_hi * b_scale0);  // (a probe: sum stays 0)
           if (second_half) {
             k_block_mma<kMma>(part, a, b + kHalfN * kBK / 16);
-            release(stage);
+            if (frees) release(stage);
             if constexpr (kMma) promote<64, kFirst>(sum, part, a_lo * b_scale1, a_hi * b_scale1);
           } else if constexpr (kFirst) {
 #pragma unroll
@@ -904,7 +995,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       } else {  // no rows in this warpgroup's half: free the stages for the producer
         for (int kt = 0; kt < k_blocks; ++kt) {
           mbarrier_wait(&full[stage], phase);
-          release(stage);
+          if (!kTileInRing || kt < held_from) release(stage);
           advance();
         }
       }
@@ -917,8 +1008,26 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         if constexpr (kMbarrierMailbox) MbarrierMailbox::drain(mailbox, handed);
         else if constexpr (kSendWarps) Sink::template drain<kConsumerThreads>();
         else CMailbox::drain();
+      } else if constexpr (kTileInRing) {
+        // Both warpgroups' wgmmas are done with the held stages before either writes over them
+        // (the drain, which every consumer thread joins, orders the later tiles).
+        named_barrier_sync<kSplitBarrierConsumers, kConsumerThreads>();
       }
-      if (split) {
+      // kTileInRing: the tile's halves, in the stages of its k-blocks K - 2 and K - 1.
+      unsigned char* const half0 = smem + (stage + kStages - 2) % kStages * kRingStageBytes;
+      unsigned char* const half1 = smem + (stage + kStages - 1) % kStages * kRingStageBytes;
+      if (kTileInRing) {
+        if (computes) {
+          if (split) {  // half h's 128 columns of the first 64 rows
+            store_bf16_half_rows<0>(warpgroup ? half1 : half0, sum, srow, 2 * (lane % 4));
+          } else {
+            store_bf16_half_rows<0>(half0, sum, row, 2 * (lane % 4));
+            store_bf16_half_rows<64>(half1, sum, row, 2 * (lane % 4));
+          }
+        }
+        // Generic writes into memory TMA writes next, once the writer warps free it.
+        fence_proxy_async_shared();
+      } else if (split) {
         if constexpr (kSwiGLU && !kWriterSwiGLU) {
           // The second warpgroup's up half to the first one, as the bf16 pairs the epilogue
           // makes of it first (pack_bf16x2 of a bf16 value widened to fp32 gives it back), in

@@ -55,6 +55,22 @@ struct EpPeerSink {
     else Mailbox<kOutputThreads>::serve(box, scatter);
   }
 
+  // Send warps, for a kernel whose tiles lie in two column halves at places that change from
+  // tile to tile (the FP8 GEMM's EPSERVE_GEMM_FP8_TILE_IN_RING): halves(lo, hi) gives each
+  // tile's two bases (rows `ld` elements apart, columns from `split` on at hi), and
+  // done(send_tid) runs once every send thread has read the tile.
+  template <int kOutputThreads, class Halves, class Done>
+  __device__ static void service_halves(Halves&& halves, int ld, int split, Done&& done, const SendMailbox* box,
+                                        const PeerSendConfig& cfg, int send_tid) {
+    Mailbox<kOutputThreads>::serve(box, [&](const SendMailbox& m) {
+      const bf16_t *lo, *hi;
+      halves(lo, hi);
+      epserve::scatter_rows_to_peers<kSendThreads, 128, kSendBarrier, true>(lo, ld, m.rows, m.cols, m.m_abs, m.n_abs, cfg,
+                                                                      send_tid, hi, split);
+      done(send_tid);  // (scatter_rows_to_peers ends with a barrier of the send threads)
+    });
+  }
+
   // Output warps, after their last tile: retire the send warps with every arrival matched.
   template <int kOutputThreads>
   __device__ static void shutdown(SendMailbox* box, bool drain_pending, int tid) {

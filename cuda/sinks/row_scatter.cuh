@@ -69,9 +69,12 @@ __device__ __forceinline__ void plan_rows_to_peers(int rows, int m0, int col0, c
 // all, and which sender is late if it has not. A home on another node gets it at the same slot
 // of its copy of recv in the combine staging (off_recv), which the off-node carrier moves after
 // the kernel: no wait and no counter, stream order covers both (docs/design.md, "Across nodes").
-template <int kNumThreads, int kMaxRows, int kBarrierId = 0>
+// kHalves: the columns from `split` on (a multiple of 8) are read from src_hi instead, at
+// column - split (a tile kept in two halves).
+template <int kNumThreads, int kMaxRows, int kBarrierId = 0, bool kHalves = false>
 __device__ void scatter_rows_to_peers(const bf16_t* src, int src_ld, int rows, int cols, int m0, int col0,
-                                      const PeerSendConfig& cfg, int tid) {
+                                      const PeerSendConfig& cfg, int tid, const bf16_t* src_hi = nullptr,
+                                      int split = 0) {
   __shared__ bf16_t* row_dst[kMaxRows];        // where the row's columns go, or null (refused)
   __shared__ int row_peer[kMaxRows];           // its home's local index, or kOffNode
   __shared__ unsigned int peer_rows[EPSERVE_MAX_PEERS];
@@ -85,7 +88,12 @@ __device__ void scatter_rows_to_peers(const bf16_t* src, int src_ld, int rows, i
     const int k8 = (c - r * chunks_per_row) * 8;
     bf16_t* dst = row_dst[r];
     if (dst == nullptr || !peer_ok[row_peer[r]]) continue;
-    const uint4 v = ld_v4(src + static_cast<long long>(r) * src_ld + k8);
+    uint4 v;
+    if constexpr (kHalves)
+      v = k8 >= split ? ld_v4(src_hi + static_cast<long long>(r) * src_ld + k8 - split)
+                      : ld_v4(src + static_cast<long long>(r) * src_ld + k8);
+    else
+      v = ld_v4(src + static_cast<long long>(r) * src_ld + k8);
     st_v4(dst + k8, v);
   }
   fence_acq_rel_sys();
