@@ -294,13 +294,13 @@ constexpr int kMailboxBytes = kMbarrierMailbox ? 64 : 32;  // the mailbox (and i
 // EPSERVE_GEMM_FP8_TILE_IN_RING: GEMM 2's finished tile in the stages of its last two k-blocks.
 constexpr bool kTileInRing = EPSERVE_GEMM_FP8_TILE_IN_RING != 0;
 #if defined(EPSERVE_SINK_BULK) && EPSERVE_SINK_BULK
-static_assert(!kTileInRing, "EPSERVE_GEMM_FP8_TILE_IN_RING: not with the bulk send warps (one tile base a row)");
+static_assert(!kTileInRing, "EPSERVE_GEMM_FP8_TILE_IN_RING: not with the bulk send warps");
 #endif
 static_assert(!kTileInRing || (!kSwiGLU && kBN == 256 && !EPSERVE_GEMM_FP8_OVERLAP && !kMbarrierMailbox &&
                                !EPSERVE_GEMM_FP8_STMATRIX),
               "EPSERVE_GEMM_FP8_TILE_IN_RING: GEMM 2's 256-wide tiles, with the named-barrier mailbox, without the "
               "overlapped loop or stmatrix");
-// The null writer warps' own barrier (kTileInRing: all done reading a tile before its stages are freed).
+// The null writer warps' own barrier (kTileInRing: all done reading a tile's rows in the ring before its stage is freed).
 constexpr int kWriterBarrier = 7;
 static_assert(MbarrierMailbox::kBytes <= 64, "the mailbox's room");
 constexpr int kLightRegs = 40, kConsumerRegs = 232;
@@ -365,13 +365,13 @@ constexpr int kAheadInts = kTakeAhead ? 6 : 0;
 constexpr int kTailBytes = 2 * kMaxStages * 8 + kMailboxBytes + (kMaxStages * kStageTileInts + kAheadInts) * 4 +
                            (EPSERVE_MAX_LOCAL_EXPERTS + 1) * 4 * (kSmemOffsets ? 2 : 1);
 constexpr int kStageBytes = kStageA + kStageB + kStageScales;
-// EPSERVE_GEMM_FP8_TILE_IN_RING: no output tile of its own; a stage is one block [A | B | A
-// scales] (1024-aligned, the swizzle's), and a finished tile's two 128-column halves (kBM rows
-// of kHalfLd bf16: 34 KB) go into the stages of its last two k-blocks, over their A and B.
+// EPSERVE_GEMM_FP8_TILE_IN_RING: a stage is one block [A | B | A scales] (1024-aligned, the
+// swizzle's), and a finished tile's first kRowsInStage rows go into the stage of its last
+// k-block, over its A and B; only its other rows have a region of their own (out_tile).
 constexpr int kRingStageBytes = kTileInRing ? (kStageBytes + 1023) / 1024 * 1024 : kStageBytes;
-constexpr int kOutTileBytes = kTileInRing ? 0 : OutTile::kBytes;
-constexpr int kHalfLd = kHalfN + 8;  // bf16 elements between a half's rows (16 bytes of padding, as OutTile's)
-static_assert(!kTileInRing || kBM * kHalfLd * 2 <= kStageA + kStageB, "a tile's half fits a stage's A and B");
+constexpr int kRowsInStage = 80;  // a multiple of 16: a warp's two rows a thread lie on one side
+static_assert(!kTileInRing || kRowsInStage * OutTile::kRowBytes <= kStageA + kStageB, "the rows fit a stage's A and B");
+constexpr int kOutTileBytes = kTileInRing ? (kBM - kRowsInStage) * OutTile::kRowBytes : OutTile::kBytes;
 // A stage's A, B and A scales are kAStride, kBStride, kSaStride bytes from the previous stage's.
 constexpr int kAStride = kTileInRing ? kRingStageBytes : kStageA;
 constexpr int kBStride = kTileInRing ? kRingStageBytes : kStageB;
@@ -416,18 +416,6 @@ __device__ __forceinline__ void store_bf16_tile_rows(unsigned char* out_tile, co
         pack_bf16x2(sum[4 * j], sum[4 * j + 1]);
     *reinterpret_cast<uint32_t*>(out_tile + OutTile::byte_offset(row + 8, col0 + 8 * j)) =
         pack_bf16x2(sum[4 * j + 2], sum[4 * j + 3]);
-  }
-}
-
-// kTileInRing: 16 n8 blocks of the sum from sum[kFrom] to one 128-column half of the tile
-// (kBM rows of kHalfLd bf16 at `half`), as store_bf16_tile_rows lays them out.
-template <int kFrom>
-__device__ __forceinline__ void store_bf16_half_rows(unsigned char* half, const float (&sum)[128], int row, int col0) {
-#pragma unroll
-  for (int j = 0; j < kHalfN / 8; ++j) {
-    const int i = kFrom + 4 * j;
-    *reinterpret_cast<uint32_t*>(half + (row * kHalfLd + col0 + 8 * j) * 2) = pack_bf16x2(sum[i], sum[i + 1]);
-    *reinterpret_cast<uint32_t*>(half + ((row + 8) * kHalfLd + col0 + 8 * j) * 2) = pack_bf16x2(sum[i + 2], sum[i + 3]);
   }
 }
 
@@ -554,7 +542,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   unsigned char* ring_a = smem;
   unsigned char* ring_b = ring_a + (kTileInRing ? kStageA : kStages * kStageA);
   float* ring_sa = reinterpret_cast<float*>(kTileInRing ? ring_b + kStageB : ring_b + kStages * kStageB);
-  unsigned char* out_tile = smem + kStages * kRingStageBytes;  // (none with kTileInRing)
+  unsigned char* out_tile = smem + kStages * kRingStageBytes;  // (kTileInRing: rows kRowsInStage on)
   float* out_scales = reinterpret_cast<float*>(out_tile + kBM * OutTile::kRowBytes);  // GEMM 1 only
   uint64_t* full = reinterpret_cast<uint64_t*>(out_tile + kOutTileBytes);
   uint64_t* empty = full + kStages;
@@ -567,7 +555,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x == 0) {
     if (smem_u32(smem) & 1023u) __trap();  // the 128-byte swizzle's pattern is tied to 1024-byte alignment
-    if (kTileInRing && K < 2 * kBK) __trap();  // a tile's halves need two stages (the host never launches it)
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&full[s], 1);
       mbarrier_init(&empty[s], kStageReleases);  // one arrival per consumer thread: see `release`
@@ -586,33 +573,32 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   if (warpgroup == kProducerWarpgroup) {
     setmaxnreg_dec<kLightRegs>();
     const int warp = (threadIdx.x % 128) / 32;
-    // kTileInRing: the stages holding the next tile's halves. Every tile handed over is one
-    // k_blocks stages further on in the ring (each tile is, and all are handed over where the
-    // stages are held), so the writer and send warps follow the ring without being told.
+    // kTileInRing: the stage holding the next tile's first rows, that of its last k-block.
+    // Every tile handed over is k_blocks stages further on in the ring (each tile is, and all
+    // are handed over where the stage is held), so the writer and send warps follow the ring
+    // without being told.
     int ring_next = 0;  // the stage of the next tile's first k-block
-    auto held_stages = [&](int& s0, int& s1) {
-      s0 = (ring_next + k_blocks - 2) % kStages;
-      s1 = (ring_next + k_blocks - 1) % kStages;
+    auto held_stage = [&]() {
+      const int s = (ring_next + k_blocks - 1) % kStages;
       ring_next = (ring_next + k_blocks) % kStages;
+      return s;
     };
-    // Frees them for the producer once every writer or send thread has read them: the count of
-    // arrivals the consumers' releases would have made.
-    auto free_held = [&](int s0, int s1) {
-      mbarrier_arrive_count(&empty[s0], kStageReleases);
-      mbarrier_arrive_count(&empty[s1], kStageReleases);
-    };
+    // Frees it for the producer once every writer or send thread has read its rows: the count
+    // of arrivals the consumers' releases would have made.
+    auto free_held = [&](int s) { mbarrier_arrive_count(&empty[s], kStageReleases); };
+    // The tile's rows [kRowsInStage, kBM) in out_tile, indexed from the tile's first row.
+    const bf16_t* const rows_out = reinterpret_cast<const bf16_t*>(out_tile) - kRowsInStage * OutTile::kLd;
     if constexpr (kSendWarps) {
       if constexpr (kTileInRing) {
-        int s0 = 0, s1 = 0;  // the stages of the tile being sent
+        int held = 0;  // the stage of the tile being sent
         if (warp >= 1 && warp <= Sink::kSendWarps && gate >= 0)
-          Sink::template service_halves<kConsumerThreads>(
-              [&](const bf16_t*& lo, const bf16_t*& hi) {
-                held_stages(s0, s1);
-                lo = reinterpret_cast<const bf16_t*>(smem + s0 * kRingStageBytes);
-                hi = reinterpret_cast<const bf16_t*>(smem + s1 * kRingStageBytes);
+          Sink::template service_split<kConsumerThreads>(
+              [&]() {
+                held = held_stage();
+                return reinterpret_cast<const bf16_t*>(smem + held * kRingStageBytes);
               },
-              kHalfLd, kHalfN, [&](int send_tid) {
-                if (send_tid == 0) free_held(s0, s1);
+              rows_out, OutTile::kLd, kRowsInStage, [&](int send_tid) {
+                if (send_tid == 0) free_held(held);
               },
               mailbox, cfg, threadIdx.x % 128 - 32);
       } else {
@@ -628,20 +614,25 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         const int row_bytes = N * (kSwiGLU ? 1 : 2);
         auto write_out = [&](const SendMailbox& m) {
           if constexpr (kTileInRing) {
-            int s0, s1;
-            held_stages(s0, s1);
-            const unsigned char* half0 = smem + s0 * kRingStageBytes;
-            const unsigned char* half1 = smem + s1 * kRingStageBytes;
-            constexpr int kHalfChunks = kHalfN * 2 / 16;  // 16-byte chunks of a half's row
-            for (int i = writer; i < m.rows * 2 * kHalfChunks; i += kCWriterWarps * 32) {
-              const int r = i / (2 * kHalfChunks), c = (i % (2 * kHalfChunks)) * 8;  // c: the chunk's first column
-              const unsigned char* half = c < kHalfN ? half0 : half1;
-              if (c < m.cols)
-                st_global_v4(static_cast<unsigned char*>(C) + (static_cast<long long>(m.m_abs + r) * N + m.n_abs + c) * 2,
-                             ld_shared_v4(half + (r * kHalfLd + c % kHalfN) * 2));
+            // The rows in the stage first, which is then freed, then those in out_tile.
+            const int held = held_stage();
+            const unsigned char* in_stage = smem + held * kRingStageBytes;
+            const int split = min(m.rows, kRowsInStage);
+            for (int part = 0; part < 2; ++part) {
+              const unsigned char* src = part ? reinterpret_cast<const unsigned char*>(rows_out) : in_stage;
+              for (int i = writer + (part ? split * kChunks : 0); i < (part ? m.rows : split) * kChunks;
+                   i += kCWriterWarps * 32) {
+                const int r = i / kChunks, c = (i % kChunks) * 8;  // c: the chunk's first column
+                if (c < m.cols)
+                  st_global_v4(static_cast<unsigned char*>(C) + static_cast<long long>(m.m_abs + r) * row_bytes +
+                                   static_cast<long long>(m.n_abs + c) * 2,
+                               ld_shared_v4(src + OutTile::byte_offset(r, c)));
+              }
+              if (part == 0) {
+                named_barrier_sync_across_roles<kWriterBarrier, kCWriterWarps * 32>();
+                if (writer == 0) free_held(held);
+              }
             }
-            named_barrier_sync_across_roles<kWriterBarrier, kCWriterWarps * 32>();
-            if (writer == 0) free_held(s0, s1);
             return;
           }
           if constexpr (kWriterSwiGLU) {
@@ -861,10 +852,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     bool tile_pending = false;  // the writer warps still hold the shared output tile
     int handed = 0;             // tiles handed over (kMbarrierMailbox: the mailbox's phases)
     int seq = 0;  // tiles so far (EPSERVE_GEMM_FP8_TRACE)
-    // kTileInRing: the consumers keep the stages of a tile's last two k-blocks (k-blocks
-    // held_from on) for its output, and the writer or send warps free them. Gated off (the
-    // math alone, no output), every stage is freed as usual.
-    const int held_from = kTileInRing && (!Sink::kEnabled || gate >= 0) ? k_blocks - 2 : k_blocks;
+    // kTileInRing: the consumers keep the stage of a tile's last k-block (k-block held_from)
+    // for its first output rows, and the writer or send warps free it. Gated off (the math
+    // alone, no output), every stage is freed as usual.
+    const int held_from = kTileInRing && (!Sink::kEnabled || gate >= 0) ? k_blocks - 1 : k_blocks;
     for (;;) {
       trace_point(tid == 0, seq, 0);
       mbarrier_wait(&full[stage], phase);  // the tile's first stage (the k-loop's wait returns at once)
@@ -1009,25 +1000,18 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         else if constexpr (kSendWarps) Sink::template drain<kConsumerThreads>();
         else CMailbox::drain();
       } else if constexpr (kTileInRing) {
-        // Both warpgroups' wgmmas are done with the held stages before either writes over them
+        // Both warpgroups' wgmmas are done with the held stage before either writes over it
         // (the drain, which every consumer thread joins, orders the later tiles).
         named_barrier_sync<kSplitBarrierConsumers, kConsumerThreads>();
       }
-      // kTileInRing: the tile's halves, in the stages of its k-blocks K - 2 and K - 1.
-      unsigned char* const half0 = smem + (stage + kStages - 2) % kStages * kRingStageBytes;
-      unsigned char* const half1 = smem + (stage + kStages - 1) % kStages * kRingStageBytes;
-      if (kTileInRing) {
-        if (computes) {
-          if (split) {  // half h's 128 columns of the first 64 rows
-            store_bf16_half_rows<0>(warpgroup ? half1 : half0, sum, srow, 2 * (lane % 4));
-          } else {
-            store_bf16_half_rows<0>(half0, sum, row, 2 * (lane % 4));
-            store_bf16_half_rows<64>(half1, sum, row, 2 * (lane % 4));
-          }
-        }
-        // Generic writes into memory TMA writes next, once the writer warps free it.
-        fence_proxy_async_shared();
-      } else if (split) {
+      // kTileInRing: the thread's rows in the stage of the tile's last k-block (rows below
+      // kRowsInStage) or in out_tile (the others), at the same offsets from the tile's first row.
+      unsigned char* const tile_out =
+          !kTileInRing ? out_tile
+          : (split ? srow : row) < kRowsInStage
+              ? smem + (stage + kStages - 1) % kStages * kRingStageBytes
+              : out_tile - kRowsInStage * OutTile::kRowBytes;
+      if (split) {
         if constexpr (kSwiGLU && !kWriterSwiGLU) {
           // The second warpgroup's up half to the first one, as the bf16 pairs the epilogue
           // makes of it first (pack_bf16x2 of a bf16 value widened to fp32 gives it back), in
@@ -1052,15 +1036,17 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             store_act_rows(out_tile, out_scales, sum, srow, lane);
           }
         } else if (computes) {  // half h's 128 columns of the first 64 rows
-          store_bf16_tile_rows<kHalfN / 8>(out_tile, sum, srow, warpgroup * kHalfN + 2 * (lane % 4));
+          store_bf16_tile_rows<kHalfN / 8>(tile_out, sum, srow, warpgroup * kHalfN + 2 * (lane % 4));
         }
       } else if (computes) {
         if constexpr (!OutTile::kBf16) {
           store_act_rows(out_tile, out_scales, sum, row, lane);
         } else {
-          store_bf16_tile_rows<OutTile::kCols / 8>(out_tile, sum, row, 2 * (lane % 4));
+          store_bf16_tile_rows<OutTile::kCols / 8>(tile_out, sum, row, 2 * (lane % 4));
         }
       }
+      // kTileInRing: generic writes into a stage TMA writes next, once the writer warps free it.
+      if constexpr (kTileInRing) fence_proxy_async_shared();
       // The hand-over's barrier publishes the tile to the writer warps.
       const SmemTile tile{reinterpret_cast<const bf16_t*>(out_tile), OutTile::kLd, t.rows, min(kOutCols, N - t.n_abs)};
       if constexpr (kMbarrierMailbox) MbarrierMailbox::hand_over(mailbox, tile, t.m_abs, t.n_abs, tid);

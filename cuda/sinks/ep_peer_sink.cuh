@@ -55,19 +55,17 @@ struct EpPeerSink {
     else Mailbox<kOutputThreads>::serve(box, scatter);
   }
 
-  // Send warps, for a kernel whose tiles lie in two column halves at places that change from
-  // tile to tile (the FP8 GEMM's EPSERVE_GEMM_FP8_TILE_IN_RING): halves(lo, hi) gives each
-  // tile's two bases (rows `ld` elements apart, columns from `split` on at hi), and
-  // done(send_tid) runs once every send thread has read the tile.
-  template <int kOutputThreads, class Halves, class Done>
-  __device__ static void service_halves(Halves&& halves, int ld, int split, Done&& done, const SendMailbox* box,
-                                        const PeerSendConfig& cfg, int send_tid) {
+  // Send warps, for a kernel whose tiles lie in two places (the FP8 GEMM's
+  // EPSERVE_GEMM_FP8_TILE_IN_RING): rows [0, split) at first_rows(), which changes from tile to
+  // tile, rows from `split` on at rest (indexed from the tile's first row), `ld` elements
+  // apart in both. done_first(send_tid) runs once every send thread has read the first rows.
+  template <int kOutputThreads, class FirstRows, class DoneFirst>
+  __device__ static void service_split(FirstRows&& first_rows, const bf16_t* rest, int ld, int split,
+                                       DoneFirst&& done_first, const SendMailbox* box, const PeerSendConfig& cfg,
+                                       int send_tid) {
     Mailbox<kOutputThreads>::serve(box, [&](const SendMailbox& m) {
-      const bf16_t *lo, *hi;
-      halves(lo, hi);
-      epserve::scatter_rows_to_peers<kSendThreads, 128, kSendBarrier, true>(lo, ld, m.rows, m.cols, m.m_abs, m.n_abs, cfg,
-                                                                      send_tid, hi, split);
-      done(send_tid);  // (scatter_rows_to_peers ends with a barrier of the send threads)
+      epserve::scatter_rows_to_peers<kSendThreads, 128, kSendBarrier, true>(
+          first_rows(), ld, m.rows, m.cols, m.m_abs, m.n_abs, cfg, send_tid, rest, split, done_first);
     });
   }
 

@@ -69,12 +69,16 @@ __device__ __forceinline__ void plan_rows_to_peers(int rows, int m0, int col0, c
 // all, and which sender is late if it has not. A home on another node gets it at the same slot
 // of its copy of recv in the combine staging (off_recv), which the off-node carrier moves after
 // the kernel: no wait and no counter, stream order covers both (docs/design.md, "Across nodes").
-// kHalves: the columns from `split` on (a multiple of 8) are read from src_hi instead, at
-// column - split (a tile kept in two halves).
-template <int kNumThreads, int kMaxRows, int kBarrierId = 0, bool kHalves = false>
+struct NoFirstRowsHook {
+  __device__ void operator()(int) const {}
+};
+// kSplitRows: rows from `split` on are read from `rest` instead (indexed from the tile's first
+// row, `src_ld` apart too), and once every thread has read rows [0, split) from src, each
+// calls done_first(tid) (a tile kept in two places, whose first rows' place is wanted back).
+template <int kNumThreads, int kMaxRows, int kBarrierId = 0, bool kSplitRows = false, class DoneFirst = NoFirstRowsHook>
 __device__ void scatter_rows_to_peers(const bf16_t* src, int src_ld, int rows, int cols, int m0, int col0,
-                                      const PeerSendConfig& cfg, int tid, const bf16_t* src_hi = nullptr,
-                                      int split = 0) {
+                                      const PeerSendConfig& cfg, int tid, const bf16_t* rest = nullptr,
+                                      int split = 0, DoneFirst done_first = {}) {
   __shared__ bf16_t* row_dst[kMaxRows];        // where the row's columns go, or null (refused)
   __shared__ int row_peer[kMaxRows];           // its home's local index, or kOffNode
   __shared__ unsigned int peer_rows[EPSERVE_MAX_PEERS];
@@ -83,18 +87,32 @@ __device__ void scatter_rows_to_peers(const bf16_t* src, int src_ld, int rows, i
   plan_rows_to_peers<kNumThreads, kBarrierId>(rows, m0, col0, cfg, tid, row_dst, row_peer, peer_rows, peer_ok);
 
   const int chunks_per_row = cols / 8;
-  for (int c = tid; c < rows * chunks_per_row; c += kNumThreads) {
-    const int r = c / chunks_per_row;
-    const int k8 = (c - r * chunks_per_row) * 8;
-    bf16_t* dst = row_dst[r];
-    if (dst == nullptr || !peer_ok[row_peer[r]]) continue;
-    uint4 v;
-    if constexpr (kHalves)
-      v = k8 >= split ? ld_v4(src_hi + static_cast<long long>(r) * src_ld + k8 - split)
-                      : ld_v4(src + static_cast<long long>(r) * src_ld + k8);
-    else
-      v = ld_v4(src + static_cast<long long>(r) * src_ld + k8);
-    st_v4(dst + k8, v);
+  if constexpr (kSplitRows) {
+    const int first = min(rows, split);
+    for (int part = 0; part < 2; ++part) {
+      const bf16_t* base = part ? rest : src;
+      for (int c = tid + (part ? first * chunks_per_row : 0); c < (part ? rows : first) * chunks_per_row;
+           c += kNumThreads) {
+        const int r = c / chunks_per_row;
+        const int k8 = (c - r * chunks_per_row) * 8;
+        bf16_t* dst = row_dst[r];
+        if (dst == nullptr || !peer_ok[row_peer[r]]) continue;
+        st_v4(dst + k8, ld_v4(base + static_cast<long long>(r) * src_ld + k8));
+      }
+      if (part == 0) {
+        named_barrier_sync<kBarrierId, kNumThreads>();
+        done_first(tid);
+      }
+    }
+  } else {
+    for (int c = tid; c < rows * chunks_per_row; c += kNumThreads) {
+      const int r = c / chunks_per_row;
+      const int k8 = (c - r * chunks_per_row) * 8;
+      bf16_t* dst = row_dst[r];
+      if (dst == nullptr || !peer_ok[row_peer[r]]) continue;
+      const uint4 v = ld_v4(src + static_cast<long long>(r) * src_ld + k8);
+      st_v4(dst + k8, v);
+    }
   }
   fence_acq_rel_sys();
   named_barrier_sync<kBarrierId, kNumThreads>();

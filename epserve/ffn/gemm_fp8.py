@@ -85,9 +85,9 @@ KNOBS: dict[str, dict[str, int]] = {
     "split+ahead+stsm": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1, "EPSERVE_GEMM_FP8_STMATRIX": 1},
     "split+ahead+wswiglu+stsm": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1,
                                  "EPSERVE_GEMM_FP8_SWIGLU_ON_WRITERS": 1, "EPSERVE_GEMM_FP8_STMATRIX": 1},
-    # GEMM 2 only: no output tile of its own; a tile's two halves go into the stages of its last
-    # two k-blocks, which the writer or send warps free, so 4 ring stages fit instead of 3
-    # (K >= 256: below it _specs launches the build without the knob)
+    # GEMM 2 only: a tile's first 80 output rows go into the stage of its last k-block, which the
+    # writer or send warps free once they have read them, and only its other 48 rows have a
+    # region of their own, so 4 ring stages fit instead of 3
     "split+ring": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TILE_IN_RING": 1},
     "split+ahead+ring": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1, "EPSERVE_GEMM_FP8_TILE_IN_RING": 1},
 }
@@ -183,10 +183,6 @@ def _specs(variant: str, a, a_scales, b, b_scales, b_rows: int, C, c_scales, exp
     assert a_scales.shape[1] >= M and b.shape[-1] == K and b.size == b_rows * K, (a_scales.shape, M, b.shape, b_rows)
     if M == 0:
         return []  # no rows, no tiles (and a tensor map cannot have an empty dimension)
-    from epserve.runtime import kernels
-
-    if K < 2 * BLOCK and kernels.VARIANTS[variant][1].get("EPSERVE_GEMM_FP8_TILE_IN_RING"):
-        variant = variant.split("+")[0]  # a tile's halves need the stages of two k-blocks: the base build
     # A may be a view of wider rows (the FP8 dispatch's packed rows: values, then scales).
     assert a.strides[1] == 1 and a.strides[0] >= K and a.strides[0] % 16 == 0, a.strides
     device = cupy.cuda.runtime.getDevice()

@@ -376,9 +376,8 @@ def test_fp8_build_knobs_give_the_same_bits(knob, gemm, rows, K, monkeypatch):
     promotion starts the sums; mbox: the tile handed to the writer warps through mbarriers, the
     warpgroups never waiting for each other; wswiglu (GEMM 1): SwiGLU and act's quantization
     on the writer warps, from the bf16 gate and up sums the consumers leave; stsm: the bf16
-    output tile written by stmatrix; ring (GEMM 2): the tile's halves in the stages of its last
-    two k-blocks, freed by the writer warps (K = 128: the base build, which _specs launches
-    there). The rows hold tails of 1 .. 64 rows (split) and
+    output tile written by stmatrix; ring (GEMM 2): the tile's first 80 rows in the stage of
+    its last k-block, freed by the writer warps once read. The rows hold tails of 1 .. 64 rows (split) and
     65 .. 127 (not), whole tiles, empty experts, and more tiles than SMs (a CTA meets split
     and unsplit tiles in turn); K from 1 to 5 k-blocks (the overlapped loop's two-a-pass body
     and both of its endings); GEMM 2's N = 384 leaves its last 256-wide column tile without a
