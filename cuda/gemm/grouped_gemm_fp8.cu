@@ -173,8 +173,23 @@
 //   instruction, instead of one 4-byte store per value pair: 16 stores a thread instead of
 //   64 in the epilogue, while both consumer warpgroups are out of the MMA. Same bits: the same
 //   bf16 pairs at the same places (the wgmma accumulator's fragment is stmatrix's).
+// - EPSERVE_GEMM_FP8_TILE_IN_RING=1 (GEMM 2; measured no faster, twenty-sixth session: gated
+//   -1.6% to +1.1%, null +2.6 to +4.2%, the fused combine no faster): GEMM 2's 66 KB output tile leaves room for 3 ring
+//   stages, and two measurements said its k-blocks want a fourth (notes/gemm.md). A stage is
+//   laid out as one block [A | B | A scales]; the consumers keep the stage of a tile's last
+//   k-block and write the tile's first kRowsInStage (80) rows over its A and B, the other 48
+//   rows into a region of their own (25 KB), which leaves room for 4 stages. The writer or
+//   send warps read the rows in the stage first and then free it (one arrival counting for
+//   all the consumers'), then the rest. Gated off, nothing is held. While the writers hold
+//   the stage the ring has 3; the producer waits on it. A first version (commit 2b95c4b) put
+//   the whole tile into the stages of the last two k-blocks (no region of its own) and freed
+//   them after the whole tile: gated -4.0%, but null +8% and the fused combine +19%, the
+//   writers holding half the ring. Same bits: the same bf16 values at the same rows.
 // Diagnostic build: EPSERVE_GEMM_FP8_TRACE=1 stamps %clock64 at points of each tile into
 // epserve_gemm_trace (below); launch/jobs/trace_gemm_fp8.py reads them.
+// Diagnostic build: EPSERVE_GEMM_FP8_SMEM_PAD=B asks for B more bytes of shared memory, never
+// touched (does the footprint alone move the time? 9216 on GEMM 2, twenty-sixth session: no,
+// gated -0.2%, null -0.6%).
 #ifndef EPSERVE_GEMM_FP8_SPLIT_TAILS
 #define EPSERVE_GEMM_FP8_SPLIT_TAILS 0
 #endif
@@ -228,6 +243,9 @@
 #endif
 #ifndef EPSERVE_GEMM_FP8_STMATRIX
 #define EPSERVE_GEMM_FP8_STMATRIX 0
+#endif
+#ifndef EPSERVE_GEMM_FP8_SMEM_PAD
+#define EPSERVE_GEMM_FP8_SMEM_PAD 0
 #endif
 #ifndef EPSERVE_GEMM_FP8_TILE_IN_RING
 #define EPSERVE_GEMM_FP8_TILE_IN_RING 0
@@ -363,7 +381,7 @@ constexpr int kMaxStages = 6;
 // across its loads spill.
 constexpr int kAheadInts = kTakeAhead ? 6 : 0;
 constexpr int kTailBytes = 2 * kMaxStages * 8 + kMailboxBytes + (kMaxStages * kStageTileInts + kAheadInts) * 4 +
-                           (EPSERVE_MAX_LOCAL_EXPERTS + 1) * 4 * (kSmemOffsets ? 2 : 1);
+                           (EPSERVE_MAX_LOCAL_EXPERTS + 1) * 4 * (kSmemOffsets ? 2 : 1) + EPSERVE_GEMM_FP8_SMEM_PAD;
 constexpr int kStageBytes = kStageA + kStageB + kStageScales;
 // EPSERVE_GEMM_FP8_TILE_IN_RING: a stage is one block [A | B | A scales] (1024-aligned, the
 // swizzle's), and a finished tile's first kRowsInStage rows go into the stage of its last
