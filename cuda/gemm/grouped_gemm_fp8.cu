@@ -174,8 +174,9 @@
 //   64 in the epilogue, while both consumer warpgroups are out of the MMA. Same bits: the same
 //   bf16 pairs at the same places (the wgmma accumulator's fragment is stmatrix's).
 // - EPSERVE_GEMM_FP8_TILE_IN_RING=1 (GEMM 2; measured no faster, twenty-sixth session: gated
-//   -1.6% to +1.1%, null +2.6 to +4.2%, the fused combine no faster): GEMM 2's 66 KB output tile leaves room for 3 ring
-//   stages, and two measurements said its k-blocks want a fourth (notes/gemm.md). A stage is
+//   -1.6% to +1.1%, null +2.6 to +4.2%, the bench's layer-fused no faster): GEMM 2's 66 KB
+//   output tile leaves room for 3 ring stages, and two measurements said its k-blocks want a
+//   fourth (notes/gemm.md). A stage is
 //   laid out as one block [A | B | A scales]; the consumers keep the stage of a tile's last
 //   k-block and write the tile's first kRowsInStage (80) rows over its A and B, the other 48
 //   rows into a region of their own (25 KB), which leaves room for 4 stages. The writer or
@@ -309,7 +310,7 @@ static_assert(!kMbarrierMailbox, "EPSERVE_GEMM_FP8_MBARRIER_MAILBOX: not with th
 #endif
 using MbarrierMailbox = TileMailboxMbarrier<kConsumerThreads, (kSendWarps ? Sink::kSendWarps : kCWriterWarps) * 32>;
 constexpr int kMailboxBytes = kMbarrierMailbox ? 64 : 32;  // the mailbox (and its barriers)
-// EPSERVE_GEMM_FP8_TILE_IN_RING: GEMM 2's finished tile in the stages of its last two k-blocks.
+// EPSERVE_GEMM_FP8_TILE_IN_RING: GEMM 2's first output rows in the stage of a tile's last k-block.
 constexpr bool kTileInRing = EPSERVE_GEMM_FP8_TILE_IN_RING != 0;
 #if defined(EPSERVE_SINK_BULK) && EPSERVE_SINK_BULK
 static_assert(!kTileInRing, "EPSERVE_GEMM_FP8_TILE_IN_RING: not with the bulk send warps");
@@ -318,7 +319,8 @@ static_assert(!kTileInRing || (!kSwiGLU && kBN == 256 && !EPSERVE_GEMM_FP8_OVERL
                                !EPSERVE_GEMM_FP8_STMATRIX),
               "EPSERVE_GEMM_FP8_TILE_IN_RING: GEMM 2's 256-wide tiles, with the named-barrier mailbox, without the "
               "overlapped loop or stmatrix");
-// The null writer warps' own barrier (kTileInRing: all done reading a tile's rows in the ring before its stage is freed).
+// The null writer warps' own barrier (kTileInRing: every writer done reading a tile's rows in
+// the ring before its stage is freed).
 constexpr int kWriterBarrier = 7;
 static_assert(MbarrierMailbox::kBytes <= 64, "the mailbox's room");
 constexpr int kLightRegs = 40, kConsumerRegs = 232;
