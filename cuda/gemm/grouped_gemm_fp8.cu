@@ -632,41 +632,33 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         const int writer = threadIdx.x % 128 - 32;
         constexpr int kChunks = kOutCols * (kSwiGLU ? 1 : 2) / 16;  // 16-byte chunks of a tile row
         const int row_bytes = N * (kSwiGLU ? 1 : 2);
+        // Rows [r0, r1) of the tile to C, row r read at src + OutTile::byte_offset(r, .).
+        auto copy_rows = [&](const SendMailbox& m, const unsigned char* src, int r0, int r1) {
+          const int elem = kSwiGLU ? 1 : 2;
+          for (int i = writer + r0 * kChunks; i < r1 * kChunks; i += kCWriterWarps * 32) {
+            const int r = i / kChunks, c = (i % kChunks) * 16 / elem;  // c: the chunk's first column
+            if (c < m.cols)
+              st_global_v4(static_cast<unsigned char*>(C) + static_cast<long long>(m.m_abs + r) * row_bytes +
+                               static_cast<long long>(m.n_abs + c) * elem,
+                           ld_shared_v4(src + OutTile::byte_offset(r, c)));
+          }
+        };
         auto write_out = [&](const SendMailbox& m) {
           if constexpr (kTileInRing) {
             // The rows in the stage first, which is then freed, then those in out_tile.
             const int held = held_stage();
-            const unsigned char* in_stage = smem + held * kRingStageBytes;
             const int split = min(m.rows, kRowsInStage);
-            for (int part = 0; part < 2; ++part) {
-              const unsigned char* src = part ? reinterpret_cast<const unsigned char*>(rows_out) : in_stage;
-              for (int i = writer + (part ? split * kChunks : 0); i < (part ? m.rows : split) * kChunks;
-                   i += kCWriterWarps * 32) {
-                const int r = i / kChunks, c = (i % kChunks) * 8;  // c: the chunk's first column
-                if (c < m.cols)
-                  st_global_v4(static_cast<unsigned char*>(C) + static_cast<long long>(m.m_abs + r) * row_bytes +
-                                   static_cast<long long>(m.n_abs + c) * 2,
-                               ld_shared_v4(src + OutTile::byte_offset(r, c)));
-              }
-              if (part == 0) {
-                named_barrier_sync_across_roles<kWriterBarrier, kCWriterWarps * 32>();
-                if (writer == 0) free_held(held);
-              }
-            }
+            copy_rows(m, smem + held * kRingStageBytes, 0, split);
+            named_barrier_sync_across_roles<kWriterBarrier, kCWriterWarps * 32>();
+            if (writer == 0) free_held(held);
+            copy_rows(m, reinterpret_cast<const unsigned char*>(rows_out), split, m.rows);
             return;
           }
           if constexpr (kWriterSwiGLU) {
             write_act_rows(out_tile, static_cast<unsigned char*>(C), c_scales, c_scale_ld, m, N, writer);
             return;
           }
-          const int elem = kSwiGLU ? 1 : 2;
-          for (int i = writer; i < m.rows * kChunks; i += kCWriterWarps * 32) {
-            const int r = i / kChunks, c = (i % kChunks) * 16 / elem;  // c: the chunk's first column
-            if (c < m.cols)
-              st_global_v4(static_cast<unsigned char*>(C) + static_cast<long long>(m.m_abs + r) * row_bytes +
-                               static_cast<long long>(m.n_abs + c) * elem,
-                           ld_shared_v4(out_tile + OutTile::byte_offset(r, c)));
-          }
+          copy_rows(m, out_tile, 0, m.rows);
           if constexpr (kSwiGLU) {
             for (int r = writer; r < m.rows; r += kCWriterWarps * 32)
               c_scales[(m.n_abs / kHalfN) * c_scale_ld + m.m_abs + r] = out_scales[r];

@@ -87,32 +87,25 @@ __device__ void scatter_rows_to_peers(const bf16_t* src, int src_ld, int rows, i
   plan_rows_to_peers<kNumThreads, kBarrierId>(rows, m0, col0, cfg, tid, row_dst, row_peer, peer_rows, peer_ok);
 
   const int chunks_per_row = cols / 8;
-  if constexpr (kSplitRows) {
-    const int first = min(rows, split);
-    for (int part = 0; part < 2; ++part) {
-      const bf16_t* base = part ? rest : src;
-      for (int c = tid + (part ? first * chunks_per_row : 0); c < (part ? rows : first) * chunks_per_row;
-           c += kNumThreads) {
-        const int r = c / chunks_per_row;
-        const int k8 = (c - r * chunks_per_row) * 8;
-        bf16_t* dst = row_dst[r];
-        if (dst == nullptr || !peer_ok[row_peer[r]]) continue;
-        st_v4(dst + k8, ld_v4(base + static_cast<long long>(r) * src_ld + k8));
-      }
-      if (part == 0) {
-        named_barrier_sync<kBarrierId, kNumThreads>();
-        done_first(tid);
-      }
-    }
-  } else {
-    for (int c = tid; c < rows * chunks_per_row; c += kNumThreads) {
+  // Rows [r0, r1), row r read at base + r * src_ld.
+  auto copy_rows = [&](const bf16_t* base, int r0, int r1) {
+    for (int c = tid + r0 * chunks_per_row; c < r1 * chunks_per_row; c += kNumThreads) {
       const int r = c / chunks_per_row;
       const int k8 = (c - r * chunks_per_row) * 8;
       bf16_t* dst = row_dst[r];
       if (dst == nullptr || !peer_ok[row_peer[r]]) continue;
-      const uint4 v = ld_v4(src + static_cast<long long>(r) * src_ld + k8);
+      const uint4 v = ld_v4(base + static_cast<long long>(r) * src_ld + k8);
       st_v4(dst + k8, v);
     }
+  };
+  if constexpr (kSplitRows) {
+    const int first = min(rows, split);
+    copy_rows(src, 0, first);
+    named_barrier_sync<kBarrierId, kNumThreads>();
+    done_first(tid);
+    copy_rows(rest, first, rows);
+  } else {
+    copy_rows(src, 0, rows);
   }
   fence_acq_rel_sys();
   named_barrier_sync<kBarrierId, kNumThreads>();
