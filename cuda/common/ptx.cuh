@@ -273,6 +273,13 @@ __device__ __forceinline__ void named_barrier_sync_across_roles() {
   static_assert(kId > 0 && kThreads % 32 == 0, "a named barrier of whole warps");
   asm volatile("barrier.sync %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
 }
+// Arrives at a named barrier without waiting: a producer's side of a barrier that the
+// consumers of its signal wait at with named_barrier_sync_across_roles (same id and count).
+template <int kId, int kThreads>
+__device__ __forceinline__ void named_barrier_arrive() {
+  static_assert(kId > 0 && kThreads % 32 == 0, "a named barrier of whole warps");
+  asm volatile("barrier.arrive %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
+}
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs)); }
 template <int kRegs>

@@ -20,13 +20,18 @@
 #ifndef EPSERVE_PROBE_LEVEL
 #define EPSERVE_PROBE_LEVEL 1
 #endif
+#ifndef EPSERVE_PROBE_TILE_KB
+#define EPSERVE_PROBE_TILE_KB 16
+#endif
 
 namespace {
 
 using namespace epserve;
 constexpr int kLevel = EPSERVE_PROBE_LEVEL;
-static_assert(kLevel >= 0 && kLevel <= 6, "EPSERVE_PROBE_LEVEL: 0 .. 6");
+static_assert(kLevel >= 0 && kLevel <= 8, "EPSERVE_PROBE_LEVEL: 0 .. 8");
 constexpr bool kProducer = kLevel >= 3 && kLevel != 6, kFullWait = kProducer && kLevel != 5;
+constexpr bool kTileBarrier = kLevel >= 7, kStagger = kLevel == 8;
+constexpr int kTileKBlocks = EPSERVE_PROBE_TILE_KB;
 constexpr int kStages = 3, kStageA = 128 * kFp8BlockK, kStageB = 256 * kFp8BlockK, kStageScales = 640;
 constexpr int kScaleBoxBytes = 132 * 4;  // the GEMM's A-scale box: a tile's rows + 4 floats
 constexpr int kHalfA = 64 * kFp8BlockK, kHalfB = 128 * kFp8BlockK;
@@ -90,6 +95,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   uint32_t phase = 0;
   const long long t0 = clock64();
   for (int kt = 0; kt < k_blocks; ++kt) {
+    const bool tile_start = kTileBarrier && kt % kTileKBlocks == 0;
+    if (tile_start) named_barrier_sync<1, 256>();
     float b0 = fixed_scale, b1 = fixed_scale, a_lo = 1.f, a_hi = 1.f;
     if constexpr (kLevel >= 2) {
       b0 = __ldg(b_scales + kt);
@@ -106,12 +113,14 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     const uint32_t b = ring_b_desc + ring_stage * kStageB / 16;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
+      if (kStagger && h == 0 && tile_start && warpgroup == 1) named_barrier_sync_across_roles<2, 256>();
       if constexpr (kLevel == 4)
         k_block_mma_issue(part, ring_a + ring_stage * kStageA + warpgroup * kHalfA,
                           ring_b + ring_stage * kStageB + h * kHalfB);
       else
         k_block_mma_issue(part, a, b + h * kHalfB / 16);
       k_block_wait<0>(part);
+      if (kStagger && h == 0 && tile_start && warpgroup == 0) named_barrier_arrive<2, 256>();
       if (kLevel >= 3 && h == 1) mbarrier_arrive(&empty[stage]);
       const float s = h ? b1 : b0;
       if (h == 0) promote<0>(sum, part, a_lo * s, a_hi * s);
