@@ -186,13 +186,6 @@
 //   the whole tile into the stages of the last two k-blocks (no region of its own) and freed
 //   them after the whole tile: gated -4.0%, but null +8% and the fused combine +19%, the
 //   writers holding half the ring. Same bits: the same bf16 values at the same rows.
-// - EPSERVE_GEMM_FP8_STAGGER=1 or 2 (not yet measured): the second consumer warpgroup issues
-//   its first half of a k-block only once the first warpgroup's first half is done, at a
-//   tile's first k-block (=1) or at every k-block (=2). Both warpgroups issue from the same
-//   stage as soon as it is full; leaving a wait together, their wgmmas finish together and
-//   both then promote (~64 FFMA cycles a half each) while the tensor pipe has nothing queued.
-//   Half a k-block apart, one promotes while the other's wgmmas run. Same bits: only when
-//   each warpgroup issues changes.
 // Diagnostic build: EPSERVE_GEMM_FP8_TRACE=1 stamps %clock64 at points of each tile into
 // epserve_gemm_trace (below); launch/jobs/trace_gemm_fp8.py reads them.
 // Diagnostic build: EPSERVE_GEMM_FP8_SMEM_PAD=B asks for B more bytes of shared memory, never
@@ -257,9 +250,6 @@
 #endif
 #ifndef EPSERVE_GEMM_FP8_TILE_IN_RING
 #define EPSERVE_GEMM_FP8_TILE_IN_RING 0
-#endif
-#ifndef EPSERVE_GEMM_FP8_STAGGER
-#define EPSERVE_GEMM_FP8_STAGGER 0
 #endif
 
 namespace {
@@ -364,14 +354,6 @@ static_assert(!kOverlap || kBN == 128 || EPSERVE_GEMM_FP8_SPLIT_TAILS, "EPSERVE_
 // Named barriers of the split tails' GEMM 1 epilogue (0 is __syncthreads; 2 and 3 are the
 // mailbox's, 4 the peer sink's send warps').
 constexpr int kSplitBarrierConsumers = 5, kSplitBarrierFirst = 6;
-// EPSERVE_GEMM_FP8_STAGGER: the second consumer warpgroup issues a k-block's first half only
-// once the first warpgroup's first half is done: =1 at a tile's first k-block (named barrier
-// 8: the first arrives, the second waits), =2 at every k-block (an mbarrier a stage, after
-// full and empty, that the first warpgroup's threads arrive on once a k-block).
-constexpr bool kStagger = EPSERVE_GEMM_FP8_STAGGER != 0 && kMma;
-constexpr bool kStaggerEvery = EPSERVE_GEMM_FP8_STAGGER == 2 && kMma;
-constexpr int kStaggerBarrier = 8;
-static_assert(!kStagger || !kOverlap, "EPSERVE_GEMM_FP8_STAGGER: not with the overlapped loop");
 
 // The finished tile in shared memory. GEMM 2: kBM rows of kOutCols bf16, each row padded by
 // 16 bytes (bank spread; the peer sink reads rows by stride), as in the bf16 kernel; GEMM 1
@@ -418,7 +400,6 @@ constexpr int kFitStages = (kSmemLimit - kStaticSmem - kOutTileBytes - kTailByte
 constexpr int kStages = kFitStages < kMaxStages ? kFitStages : kMaxStages;
 static_assert(kStages >= 2, "shared memory");
 constexpr int kSmemBytes = kStages * kRingStageBytes + kOutTileBytes + kTailBytes;
-static_assert(!kStaggerEvery || 3 * kStages <= 2 * kMaxStages, "EPSERVE_GEMM_FP8_STAGGER=2: half_done after empty");
 using Scheduler = GroupedTileScheduler<kBM, kOutCols, EPSERVE_GROUP_N, kSmemOffsets>;
 
 struct alignas(64) TensorMap {
@@ -538,9 +519,13 @@ __device__ unsigned char epserve_gemm_sm_side[256];
 // loop). Slots: 0-3 the first consumer warpgroup before its tile's first wait, after it, after
 // the k-loop, after the hand-over; 4-5 the same warpgroup after its k-blocks 0 and 1 (whole
 // 128-row tiles); 6-7 the producer before taking the tile from the counter and after decoding it
-// (with EPSERVE_GEMM_FP8_TAKE_AHEAD, 7 only, but for the first tile).
+// (with EPSERVE_GEMM_FP8_TAKE_AHEAD, 7 only, but for the first tile); 8 the first warpgroup
+// before its k-block 0's first MMA (whole tiles). With EPSERVE_GEMM_FP8_TRACE=2 also 9-16 and
+// 17-24: the first and the second warpgroup (their threads 0 and 128) after each of their
+// k-blocks 0-7 of whole tiles (these stores slow GEMM 1 by ~7%: compare =2 builds with =2).
 constexpr bool kTrace = EPSERVE_GEMM_FP8_TRACE != 0;
-constexpr int kTraceCtas = 132, kTraceTiles = 128, kTraceSlots = 8;
+constexpr bool kTraceKBlocks = EPSERVE_GEMM_FP8_TRACE == 2;
+constexpr int kTraceCtas = 132, kTraceTiles = 128, kTraceSlots = 25, kTracedKBlocks = 8;
 extern "C" {
 __device__ long long epserve_gemm_trace[kTrace ? kTraceCtas * kTraceTiles * kTraceSlots : 1];
 }
@@ -597,7 +582,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&full[s], 1);
       mbarrier_init(&empty[s], kStageReleases);  // one arrival per consumer thread: see `release`
-      if constexpr (kStaggerEvery) mbarrier_init(&empty[kStages + s], 128);  // half_done: the first warpgroup's
     }
     if constexpr (kMbarrierMailbox) MbarrierMailbox::init(mailbox);
     fence_mbarrier_init();
@@ -872,24 +856,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     };
     int stage = 0;
     uint32_t phase = 0;
-    // kStagger, around a k-block's first MMA (both: both warpgroups compute the tile). With
-    // kStaggerEvery the first warpgroup arrives at every k-block of every tile, so that
-    // half_done's phases follow full's.
-    uint64_t* const half_done = empty + kStages;
-    auto stagger_before = [&](bool tile_start, bool both) {
-      if constexpr (kStaggerEvery) {
-        if (both && warpgroup == 1) mbarrier_wait(&half_done[stage], phase);
-      } else if constexpr (kStagger) {
-        if (tile_start && both && warpgroup == 1) named_barrier_sync_across_roles<kStaggerBarrier, kConsumerThreads>();
-      }
-    };
-    auto stagger_after = [&](bool tile_start, bool both) {
-      if constexpr (kStaggerEvery) {
-        if (warpgroup == 0) mbarrier_arrive(&half_done[stage]);
-      } else if constexpr (kStagger) {
-        if (tile_start && both && warpgroup == 0) named_barrier_arrive<kStaggerBarrier, kConsumerThreads>();
-      }
-    };
     auto advance = [&] {
       if (++stage == kStages) {
         stage = 0;
@@ -995,10 +961,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             mbarrier_wait(&full[stage], phase);
             // For a split tail, the default build's first warpgroup issues these very wgmmas
             // for half h.
-            stagger_before(kt == 0, split && second_half);
             k_block_mma<kMma>(part, ring_a_desc + (stage * kAStride + a_off) / 16,
                               ring_b_desc + (stage * kBStride + b_off) / 16);
-            stagger_after(kt == 0, split && second_half);
             promote_stage(part, b_scale, !kTileInRing || kt < held_from);
           }
         }
@@ -1012,9 +976,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           const float a_lo = sa[row], a_hi = sa[row + 8];
           const uint32_t a = ring_a_desc + (stage * kAStride + warpgroup * kHalfA) / 16;
           const uint32_t b = ring_b_desc + stage * kBStride / 16;
-          stagger_before(kt == 0, t.rows > 64);
+          if constexpr (kTrace) trace_point(tid == 0 && kt == 0, seq, 8);
           k_block_mma<kMma>(part, a, b);
-          stagger_after(kt == 0, t.rows > 64);
           const bool frees = !kTileInRing || kt < held_from;
           if (!second_half && frees) release(stage);
           if constexpr (kMma) promote<0, kFirst>(sum, part, a_lo * b_scale0, a_hi * b_scale0);  // (a probe: sum stays 0)
@@ -1027,6 +990,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             for (int i = 64; i < 128; ++i) sum[i] = 0.f;
           }
           if constexpr (kTrace) trace_point(tid == 0 && kt < 2, seq, 4 + min(kt, 1));
+          if constexpr (kTraceKBlocks)
+            trace_point(tid % 128 == 0 && kt < kTracedKBlocks, seq,
+                        9 + warpgroup * kTracedKBlocks + min(kt, kTracedKBlocks - 1));
           advance();
         };
         int kt = 0;
@@ -1040,7 +1006,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       } else {  // no rows in this warpgroup's half: free the stages for the producer
         for (int kt = 0; kt < k_blocks; ++kt) {
           mbarrier_wait(&full[stage], phase);
-          stagger_after(kt == 0, false);
           if (!kTileInRing || kt < held_from) release(stage);
           advance();
         }

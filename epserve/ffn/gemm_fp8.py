@@ -91,12 +91,6 @@ KNOBS: dict[str, dict[str, int]] = {
     # (gated -1.6% to +1.1%, null +2.6 to +4.2%)
     "split+ring": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TILE_IN_RING": 1},
     "split+ahead+ring": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1, "EPSERVE_GEMM_FP8_TILE_IN_RING": 1},
-    # the second consumer warpgroup half a k-block behind the first: at each tile's start
-    # (stagger) or at every k-block (stagger2)
-    "split+stagger": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_STAGGER": 1},
-    "split+ahead+stagger": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1, "EPSERVE_GEMM_FP8_STAGGER": 1},
-    "split+stagger2": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_STAGGER": 2},
-    "split+ahead+stagger2": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1, "EPSERVE_GEMM_FP8_STAGGER": 2},
 }
 SHIPPED = {"gemm_fp8_null": "split+ahead", "gemm_fp8_peer": "split+ahead", "gemm1_fp8_swiglu": "split"}
 

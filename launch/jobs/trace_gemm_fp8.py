@@ -2,7 +2,7 @@
 stamps (cuda/gemm/grouped_gemm_fp8.cu says which point each slot marks), on one GPU:
 
     python launch/jobs/trace_gemm_fp8.py [--problems dense8192 dense2048 gemm2 gemm1] [--no-loads]
-                                         [--on split+mbox ...]
+                                         [--on split+mbox ...] [--k-blocks]
 
 Problems: denseK is one expert of 8192 x 8192 with K = K; gemm2 and gemm1 are dsv3-prefill at
 rank 0 of 2's balanced rows (32777 rows over 128 experts), GEMM 2 with the null sink (storing
@@ -12,6 +12,10 @@ same build with no TMA load at all (the ring holds whatever it held: the time of
 the hand-overs alone). --on adds the trace built over each given knob build
 (epserve.ffn.gemm_fp8.KNOBS) instead of the shipped one (GEMM 2's and GEMM 1's differ), on the
 problems whose GEMM the knob builds with.
+--k-blocks stamps each warpgroup's k-blocks 0-7 too (a build of its own, slower by the stamps:
+compare it only with itself): each k-block's cycles on either warpgroup, and how far the second
+warpgroup's end of it lies behind the first's (about one wgmma group, +-256 cycles, where the
+two take turns in the tensor pipe).
 Cycles are the SM's own (%clock64), medians over the traced tiles of whole-tile rows where it
 matters (k-blocks 0 and 1).
 
@@ -30,9 +34,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-CTAS, TILES, SLOTS = 132, 128, 8  # cuda/gemm/grouped_gemm_fp8.cu: kTraceCtas, kTraceTiles, kTraceSlots
+CTAS, TILES, SLOTS = 132, 128, 25  # cuda/gemm/grouped_gemm_fp8.cu: kTraceCtas, kTraceTiles, kTraceSlots
+KBLOCKS = 8  # kTracedKBlocks: k-blocks 0 .. 7 of each warpgroup stamped (EPSERVE_GEMM_FP8_TRACE=2)
 TRACE = {"EPSERVE_GEMM_FP8_TRACE": 1}
-NO_LOADS = {"EPSERVE_GEMM_FP8_TRACE": 1, "EPSERVE_GEMM_FP8_TMA_LOADS": 0}
+NO_LOADS = {"EPSERVE_GEMM_FP8_TMA_LOADS": 0}
 
 
 def summarize(stamps: np.ndarray, k_blocks: int) -> dict:
@@ -52,6 +57,15 @@ def summarize(stamps: np.ndarray, k_blocks: int) -> dict:
     whole = tile & (s[:, :, 4] > 0) & (s[:, :, 5] > 0)
     out["k-block 0"] = s[:, :, 4][whole] - s[:, :, 1][whole]
     out["k-block 1"] = s[:, :, 5][whole] - s[:, :, 4][whole]
+    before = whole & (s[:, :, 8] > 0)
+    out["k-block 0 before its MMA"] = s[:, :, 8][before] - s[:, :, 1][before]
+    # each k-block's span on either warpgroup, and how far the second one ends behind the first
+    first, second = s[:, :, 9:9 + KBLOCKS], s[:, :, 9 + KBLOCKS:9 + 2 * KBLOCKS]
+    for kt in range(1, min(KBLOCKS, k_blocks)):
+        both = whole & (first[:, :, kt] > 0) & (second[:, :, kt] > 0) & (second[:, :, kt - 1] > 0)
+        out[f"k-block {kt}, first warpgroup"] = (first[:, :, kt] - first[:, :, kt - 1])[both]
+        out[f"k-block {kt}, second warpgroup"] = (second[:, :, kt] - second[:, :, kt - 1])[both]
+        out[f"k-block {kt}, second ends after the first by"] = (second[:, :, kt] - first[:, :, kt])[both]
     taken = (s[:, :, 6] > 0) & (s[:, :, 7] > 0)
     out["producer: take + decode"] = s[:, :, 7][taken] - s[:, :, 6][taken]
     out["producer's take to consumers' start"] = s[:, :, 1][tile & taken] - s[:, :, 7][tile & taken]
@@ -96,6 +110,8 @@ def main():
     p.add_argument("--problems", nargs="+", default=["dense8192", "dense2048", "gemm2", "gemm1"])
     p.add_argument("--no-loads", action="store_true", help="also the build without TMA loads")
     p.add_argument("--on", nargs="*", default=[], help="also trace over these epserve.ffn.gemm_fp8.KNOBS builds")
+    p.add_argument("--k-blocks", action="store_true",
+                   help="stamp k-blocks 0-7 of both warpgroups too (EPSERVE_GEMM_FP8_TRACE=2: ~7%% slower)")
     args = p.parse_args()
 
     import cupy
@@ -120,8 +136,10 @@ def main():
         # the trace over this base's shipped build (GEMM 2's and GEMM 1's differ), registered
         # as <base>+<name> when the runs are built
         shipped = gemm_fp8.SHIPPED[base]
-        over = {"trace": (shipped, TRACE), **({"trace, no loads": (shipped, NO_LOADS)} if args.no_loads else {}),
-                **{f"trace on {k}": (k, TRACE) for k in args.on if gemm_fp8.knob_applies(base, k)}}
+        trace = {"EPSERVE_GEMM_FP8_TRACE": 2} if args.k_blocks else TRACE
+        over = {"trace": (shipped, trace),
+                **({"trace, no loads": (shipped, {**trace, **NO_LOADS})} if args.no_loads else {}),
+                **{f"trace on {k}": (k, trace) for k in args.on if gemm_fp8.knob_applies(base, k)}}
         builds = list(over)
         for name, (knob, defines) in over.items():
             gemm_fp8.KNOBS[name] = {**gemm_fp8.KNOBS[knob], **defines}

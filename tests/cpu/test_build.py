@@ -79,14 +79,14 @@ def test_fp8_consumer_loop_probe_compiles_at_every_level(cache):
     spec = importlib.util.spec_from_file_location("probe_fp8_consumer_loop", job)
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
-    assert sorted(probe.LEVELS) == list(range(7))
+    assert sorted(probe.LEVELS) == list(range(9))
     for level in probe.LEVELS:
         art = build.compile_source(probe.SOURCE, {"EPSERVE_PROBE_LEVEL": level})
         assert not re.search(r"[1-9]\d* bytes spill stores", art.log), (level, art.log)
         assert "C75" not in art.log, (level, art.log)
         assert art.ptx.read_text().count("wgmma.mma_async") >= 4, level
     with pytest.raises(BuildError):
-        build.compile_source(probe.SOURCE, {"EPSERVE_PROBE_LEVEL": 7})
+        build.compile_source(probe.SOURCE, {"EPSERVE_PROBE_LEVEL": 9})
 
 
 # The FP8 GEMM's diagnostic builds (cuda/gemm/grouped_gemm_fp8.cu, launch/jobs/probe_gemm_fp8.py):
@@ -99,6 +99,7 @@ FP8_PROBE_KNOBS = [
     {"EPSERVE_GEMM_FP8_UNALIGNED_SCALES": 1},
     {"EPSERVE_GEMM_FP8_RELEASE_BY_WARPGROUP": 1},  # the pre-fix stage release (launch/jobs/check_fp8_race.py)
     {"EPSERVE_GEMM_FP8_TRACE": 1},  # %clock64 stamps of each tile (launch/jobs/trace_gemm_fp8.py)
+    {"EPSERVE_GEMM_FP8_TRACE": 2},  # and of each warpgroup's k-blocks 0-7 (trace_gemm_fp8.py --k-blocks)
 ]
 
 

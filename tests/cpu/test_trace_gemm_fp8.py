@@ -62,3 +62,21 @@ def test_unwritten_slots_are_not_spans(job):
     assert got["epilogue + hand-over"].size == 3
     assert got["hand-over to next tile"].size == 2
     assert got["k-block 0"].size == 0 and got["k-block 1"].size == 0
+
+
+def test_k_blocks_of_both_warpgroups(job):
+    """EPSERVE_GEMM_FP8_TRACE=2's stamps: each warpgroup's k-blocks 1-7 and the second's lag."""
+    stamps = made_up_stamps(job, [3, 2], k_blocks=16)
+    first, second = 9, 9 + job.KBLOCKS
+    for kt in range(job.KBLOCKS):
+        stamps[:, :, first + kt] = np.where(stamps[:, :, 4] > 0, stamps[:, :, 1] + 1300 * (kt + 1), 0)
+        stamps[:, :, second + kt] = np.where(stamps[:, :, 4] > 0, stamps[:, :, 1] + 1300 * (kt + 1) + 256, 0)
+    stamps[:, :, 8] = np.where(stamps[:, :, 4] > 0, stamps[:, :, 1] + 700, 0)
+    got = job.summarize(stamps, 16)
+    assert set(got["k-block 0 before its MMA"]) == {700}
+    for kt in range(1, job.KBLOCKS):
+        assert set(got[f"k-block {kt}, first warpgroup"]) == {1300}
+        assert set(got[f"k-block {kt}, second warpgroup"]) == {1300}
+        assert set(got[f"k-block {kt}, second ends after the first by"]) == {256}
+    plain = job.summarize(made_up_stamps(job, [3, 2], k_blocks=16), 16)  # =1: none of these spans
+    assert not plain["k-block 0 before its MMA"].size and not plain["k-block 1, first warpgroup"].size

@@ -353,9 +353,7 @@ FP8_KNOB_BUILDS = [("2", "plain"), ("2", "split"), ("2", "split-unzeroed"), ("2"
                    ("2", "split+mbox"), ("1", "split+mbox"), ("2", "split+ahead+mbox"), ("1", "split+ahead+mbox"),
                    ("2", "split+ahead+firstfma+mbox"), ("1", "split+ahead+firstfma+mbox"),
                    ("1", "split+ahead+wswiglu"), ("2", "split+ahead+stsm"), ("1", "split+ahead+wswiglu+stsm"),
-                   ("2", "split+ring"), ("2", "split+ahead+ring"), ("1", "split+stagger"), ("2", "split+stagger"),
-                   ("1", "split+ahead+stagger"), ("2", "split+ahead+stagger"), ("1", "split+stagger2"),
-                   ("2", "split+stagger2"), ("1", "split+ahead+stagger2"), ("2", "split+ahead+stagger2")]
+                   ("2", "split+ring"), ("2", "split+ahead+ring")]
 
 
 @pytest.mark.parametrize("gemm,knob", FP8_KNOB_BUILDS)
@@ -379,8 +377,7 @@ def test_fp8_build_knobs_give_the_same_bits(knob, gemm, rows, K, monkeypatch):
     warpgroups never waiting for each other; wswiglu (GEMM 1): SwiGLU and act's quantization
     on the writer warps, from the bf16 gate and up sums the consumers leave; stsm: the bf16
     output tile written by stmatrix; ring (GEMM 2): the tile's first 80 rows in the stage of
-    its last k-block, freed by the writer warps once read; stagger, stagger2: the second
-    warpgroup half a k-block behind the first at a tile's start, or at every k-block. The rows hold tails of 1 .. 64 rows (split) and
+    its last k-block, freed by the writer warps once read. The rows hold tails of 1 .. 64 rows (split) and
     65 .. 127 (not), whole tiles, empty experts, and more tiles than SMs (a CTA meets split
     and unsplit tiles in turn); K from 1 to 5 k-blocks (the overlapped loop's two-a-pass body
     and both of its endings); GEMM 2's N = 384 leaves its last 256-wide column tile without a
