@@ -23,6 +23,11 @@
 #ifndef EPSERVE_PROBE_TILE_KB
 #define EPSERVE_PROBE_TILE_KB 16
 #endif
+// The operands: 0 e4m3 values near 1 (few bits differ between them), 1 random e4m3 codes of
+// either sign and any exponent (bit 0 clear, so no NaN), as real rows and weights have.
+#ifndef EPSERVE_PROBE_RANDOM_DATA
+#define EPSERVE_PROBE_RANDOM_DATA 0
+#endif
 
 namespace {
 
@@ -50,10 +55,16 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   float* ring_sa = reinterpret_cast<float*>(ring_b + kStages * kStageB);
   uint64_t* full = reinterpret_cast<uint64_t*>(ring_b + kStages * kStageB + kStages * kStageScales);
   uint64_t* empty = full + kStages;
-  // e4m3 values near 1 in the operands, 1.0f in the scale slots
+  // e4m3 operands (EPSERVE_PROBE_RANDOM_DATA says which), 1.0f in the scale slots
   const int operand_words = kStages * (kStageA + kStageB) / 4;
-  for (int i = threadIdx.x; i < kStages * kStageBytes / 4; i += blockDim.x)
-    reinterpret_cast<uint32_t*>(smem)[i] = i >= operand_words ? 0x3f800000u : 0x38383838u ^ (i * 2654435761u & 0x07070707u);
+  for (int i = threadIdx.x; i < kStages * kStageBytes / 4; i += blockDim.x) {
+    uint32_t h = (i + 1) * 2654435761u;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    const uint32_t code = EPSERVE_PROBE_RANDOM_DATA ? h & 0xfefefefeu : 0x38383838u ^ (i * 2654435761u & 0x07070707u);
+    reinterpret_cast<uint32_t*>(smem)[i] = i >= operand_words ? 0x3f800000u : code;
+  }
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&full[s], 1);

@@ -48,8 +48,9 @@ def sass_counts(cubin) -> tuple[int, int] | None:
     return sum("R2UR" in ln for ln in lines), len(lines)
 
 
-def run_level(level: int, k_blocks: int, sms: int, tile_k_blocks: int = 16) -> dict:
-    art = build.compile_source(SOURCE, {"EPSERVE_PROBE_LEVEL": level, "EPSERVE_PROBE_TILE_KB": tile_k_blocks})
+def run_level(level: int, k_blocks: int, sms: int, tile_k_blocks: int = 16, random_data: bool = False) -> dict:
+    art = build.compile_source(SOURCE, {"EPSERVE_PROBE_LEVEL": level, "EPSERVE_PROBE_TILE_KB": tile_k_blocks,
+                                        "EPSERVE_PROBE_RANDOM_DATA": int(random_data)})
     mod = cupy.RawModule(path=str(art.cubin))
     fn = mod.get_function(KERNEL)
     smem = module_int(mod, "epserve_probe_smem_bytes")
@@ -70,15 +71,18 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--levels", type=int, nargs="+", default=sorted(LEVELS))
     p.add_argument("--k-blocks", type=int, default=4096)
+    p.add_argument("--random-data", action="store_true", help="random e4m3 operands instead of values near 1")
     p.add_argument("--tile-k-blocks", type=int, nargs="+", default=[16], help="levels 7 and 8: k-blocks between barriers")
     args = p.parse_args()
     dev = cupy.cuda.runtime.getDeviceProperties(0)
     sms = dev["multiProcessorCount"]
-    print(f"# FP8 consumer loop, no memory traffic: {dev['name'].decode()}, {sms} CTAs, {args.k_blocks} k-blocks each")
+    data = "random e4m3 operands" if args.random_data else "operands near 1"
+    print(f"# FP8 consumer loop, no memory traffic: {dev['name'].decode()}, {sms} CTAs, {args.k_blocks} k-blocks "
+          f"each, {data}")
     print(f"{'level':>5}  {'what':<48}{'cycles/k-block':>15}{'tensor util':>12}{'R2UR':>6}{'SASS lines':>11}")
     for level in args.levels:
         for tile in args.tile_k_blocks if level >= 7 else [16]:
-            r = run_level(level, args.k_blocks, sms, tile)
+            r = run_level(level, args.k_blocks, sms, tile, args.random_data)
             r2ur, lines = r["sass"] or ("-", "-")
             what = LEVELS[level] + (f" ({tile})" if level >= 7 else "")
             print(f"{level:>5}  {what:<48}{r['cycles']:>15.1f}{r['utilisation'] * 100:>11.1f}%{r2ur:>6}{lines:>11}")
