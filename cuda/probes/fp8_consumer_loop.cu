@@ -58,11 +58,13 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   // e4m3 operands (EPSERVE_PROBE_RANDOM_DATA says which), 1.0f in the scale slots
   const int operand_words = kStages * (kStageA + kStageB) / 4;
   for (int i = threadIdx.x; i < kStages * kStageBytes / 4; i += blockDim.x) {
-    uint32_t h = (i + 1) * 2654435761u;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
-    const uint32_t code = EPSERVE_PROBE_RANDOM_DATA ? h & 0xfefefefeu : 0x38383838u ^ (i * 2654435761u & 0x07070707u);
+    uint32_t code = 0x38383838u ^ (i * 2654435761u & 0x07070707u);
+    if constexpr (EPSERVE_PROBE_RANDOM_DATA) {
+      code = (i + 1) * 2654435761u;
+      code ^= code >> 15;
+      code *= 2246822519u;
+      code = (code ^ code >> 13) & 0xfefefefeu;
+    }
     reinterpret_cast<uint32_t*>(smem)[i] = i >= operand_words ? 0x3f800000u : code;
   }
   if (threadIdx.x == 0) {

@@ -24,6 +24,7 @@ import numpy as np
 from epserve import EPService, MoEConfig
 from epserve.arrays import BF16
 from epserve.bench import presets
+from epserve.bench.__main__ import shape_of
 from epserve.comm import mpi as ep_comm
 from epserve.ffn.fp8 import quantize_weights
 from epserve.runtime import launch
@@ -76,9 +77,7 @@ def main():
     args = p.parse_args()
     comm = ep_comm.world()
     rank, world = comm.Get_rank(), comm.Get_size()
-    pre = presets.get_preset(args.preset)
-    if args.as_rank_of != 1:
-        pre = presets.scaled(pre, num_experts=pre.num_experts // args.as_rank_of)
+    pre = shape_of(presets.get_preset(args.preset), quick=False, as_rank_of=args.as_rank_of)
     pre = presets.scaled(pre, tokens_per_rank=args.tokens or pre.tokens_per_rank)
     T, H, I, E, k = pre.tokens_per_rank, pre.hidden, pre.intermediate, pre.num_experts, pre.top_k
     cfg = MoEConfig(E, k, H, I, T, world_size=world, expert_dtype=pre.expert_dtype)

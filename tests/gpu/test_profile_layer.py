@@ -1,5 +1,6 @@
 """launch/jobs/profile_layer.py times one forward launch by launch: every stage's kernels are
-listed in call order, and the launches' spans add up to no more than the call."""
+listed in call order, and the launches' spans add up to the call or less (their medians
+against the call's, within 5%)."""
 
 import re
 import subprocess
