@@ -186,6 +186,17 @@
 //   the whole tile into the stages of the last two k-blocks (no region of its own) and freed
 //   them after the whole tile: gated -4.0%, but null +8% and the fused combine +19%, the
 //   writers holding half the ring. Same bits: the same bf16 values at the same rows.
+// - EPSERVE_GEMM_FP8_HIDE_HANDSHAKE=1: a consumer's ring handshake is moved under its wgmmas.
+//   The default k-block waits on its stage's full barrier before it issues, and arrives on
+//   the empty barrier between its last wait and its promotion: both on the path from one
+//   wgmma group to the next. The consumer-loop probe (twelfth session) priced them at ~35 and
+//   ~60 cycles a k-block of 1024. Here k-block kt waits on k-block kt + 1's full barrier with
+//   its last group in flight, and frees k-block kt - 1's stage after it issued its first
+//   group (stage kt - 1's wgmmas are done since kt - 1's last wait; each thread's A-scale
+//   reads of it came before, and its arrive releases them as before). A stage is freed one
+//   promotion and one issue later. Same bits: the same wgmmas, promotions and scales in the
+//   same order; only when a thread waits and arrives moves. Not with the overlapped loop or
+//   the tile in the ring.
 // Diagnostic build: EPSERVE_GEMM_FP8_TRACE=1 stamps %clock64 at points of each tile into
 // epserve_gemm_trace (below); launch/jobs/trace_gemm_fp8.py reads them.
 // Diagnostic build: EPSERVE_GEMM_FP8_SMEM_PAD=B asks for B more bytes of shared memory, never
@@ -250,6 +261,9 @@
 #endif
 #ifndef EPSERVE_GEMM_FP8_TILE_IN_RING
 #define EPSERVE_GEMM_FP8_TILE_IN_RING 0
+#endif
+#ifndef EPSERVE_GEMM_FP8_HIDE_HANDSHAKE
+#define EPSERVE_GEMM_FP8_HIDE_HANDSHAKE 0
 #endif
 
 namespace {
@@ -349,6 +363,10 @@ constexpr bool kUnalignedScales = EPSERVE_GEMM_FP8_UNALIGNED_SCALES != 0;
 constexpr bool kSplitTails = EPSERVE_GEMM_FP8_SPLIT_TAILS != 0 && kBN == 256;  // (a 128-wide tile has one half)
 // Without wgmmas (the EPSERVE_GEMM_FP8_MMA=0 diagnostic) there is nothing to overlap: off.
 constexpr bool kOverlap = EPSERVE_GEMM_FP8_OVERLAP != 0 && kMma;
+// EPSERVE_GEMM_FP8_HIDE_HANDSHAKE: the full wait and the release under the wgmmas (top of the file).
+constexpr bool kHideHandshake = EPSERVE_GEMM_FP8_HIDE_HANDSHAKE != 0;
+static_assert(!kHideHandshake || (!kOverlap && !kTileInRing),
+              "EPSERVE_GEMM_FP8_HIDE_HANDSHAKE: not with the overlapped loop or the tile in the ring");
 static_assert(!kOverlap || kBN == 128 || EPSERVE_GEMM_FP8_SPLIT_TAILS, "EPSERVE_GEMM_FP8_OVERLAP acts on tiles a "
               "warpgroup computes one half of: build it with EPSERVE_GEMM_FP8_BN=128 or EPSERVE_GEMM_FP8_SPLIT_TAILS=1");
 // Named barriers of the split tails' GEMM 1 epilogue (0 is __syncthreads; 2 and 3 are the
@@ -862,6 +880,28 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         phase ^= 1;
       }
     };
+    // kHideHandshake: one wgmma group of the k-block in `stage`, with the ring's handshake
+    // while it runs: the release of the previous k-block's stage (frees_previous: on the
+    // k-block's first group, from its second k-block on) and the wait for the next k-block's
+    // stage (waits_next: on its last group, but for the tile's last k-block, whose next stage
+    // the tile loop waits for). The k-loop then waits on its first k-block's stage only and
+    // frees its last one by release_previous, after the loop.
+    auto next_stage_wait = [&] {
+      const int next = stage + 1 == kStages ? 0 : stage + 1;
+      mbarrier_wait(&full[next], next == 0 ? phase ^ 1 : phase);
+    };
+    auto release_previous = [&] { release(stage == 0 ? kStages - 1 : stage - 1); };
+    auto hidden_k_block_mma = [&](float(&p)[64], uint32_t a, uint32_t b, bool frees_previous, bool waits_next) {
+      if constexpr (kMma) k_block_mma_issue(p, a, b);
+      if (frees_previous) release_previous();
+      if (waits_next) next_stage_wait();
+      if constexpr (kMma) {
+        k_block_wait<0>(p);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) p[i] = 0.f;
+      }
+    };
     float sum[128];
     float part[64];
     float part2_n128[64];  // EPSERVE_GEMM_FP8_OVERLAP's second part with 128-wide tiles (other builds never touch it)
@@ -955,6 +995,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             k_block_wait<0>(part);
             promote_stage(part, bs0);
           }
+        } else if constexpr (kHideHandshake) {
+          for (int kt = 0; kt < k_blocks; ++kt) {
+            const float b_scale = __ldg(sbh + kt);
+            if (kt == 0) mbarrier_wait(&full[stage], phase);  // later k-blocks': under the last one's wgmmas
+            hidden_k_block_mma(part, ring_a_desc + (stage * kAStride + a_off) / 16,
+                               ring_b_desc + (stage * kBStride + b_off) / 16, kt > 0, kt + 1 < k_blocks);
+            promote_stage(part, b_scale, false);
+          }
+          release_previous();
         } else {
           for (int kt = 0; kt < k_blocks; ++kt) {
             const float b_scale = __ldg(sbh + kt);  // in flight during the wait
@@ -971,19 +1020,27 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         auto k_block = [&](int kt, auto first) {
           constexpr bool kFirst = decltype(first)::first;
           const float b_scale0 = __ldg(sb0 + kt), b_scale1 = __ldg(sb1 + kt);  // in flight during the wait
-          mbarrier_wait(&full[stage], phase);
+          if (!kHideHandshake || kt == 0) mbarrier_wait(&full[stage], phase);  // kHideHandshake: see hidden_k_block_mma
           const float* sa = ring_sa + stage * (kSaStride / 4) + (t.m_abs - scale_box_col(t.m_abs));
           const float a_lo = sa[row], a_hi = sa[row + 8];
           const uint32_t a = ring_a_desc + (stage * kAStride + warpgroup * kHalfA) / 16;
           const uint32_t b = ring_b_desc + stage * kBStride / 16;
           if constexpr (kTrace) trace_point(tid == 0 && kt == 0, seq, 8);
-          k_block_mma<kMma>(part, a, b);
           const bool frees = !kTileInRing || kt < held_from;
-          if (!second_half && frees) release(stage);
+          if constexpr (kHideHandshake) {
+            hidden_k_block_mma(part, a, b, kt > 0, !second_half && kt + 1 < k_blocks);
+          } else {
+            k_block_mma<kMma>(part, a, b);
+            if (!second_half && frees) release(stage);
+          }
           if constexpr (kMma) promote<0, kFirst>(sum, part, a_lo * b_scale0, a_hi * b_scale0);  // (a probe: sum stays 0)
           if (second_half) {
-            k_block_mma<kMma>(part, a, b + kHalfN * kBK / 16);
-            if (frees) release(stage);
+            if constexpr (kHideHandshake) {
+              hidden_k_block_mma(part, a, b + kHalfN * kBK / 16, false, kt + 1 < k_blocks);
+            } else {
+              k_block_mma<kMma>(part, a, b + kHalfN * kBK / 16);
+              if (frees) release(stage);
+            }
             if constexpr (kMma) promote<64, kFirst>(sum, part, a_lo * b_scale1, a_hi * b_scale1);
           } else if constexpr (kFirst) {
 #pragma unroll
@@ -1003,6 +1060,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           for (int i = 0; i < 128; ++i) sum[i] = 0.f;
         }
         for (; kt < k_blocks; ++kt) k_block(kt, KBlockKind<false>{});
+        if constexpr (kHideHandshake) release_previous();
       } else {  // no rows in this warpgroup's half: free the stages for the producer
         for (int kt = 0; kt < k_blocks; ++kt) {
           mbarrier_wait(&full[stage], phase);

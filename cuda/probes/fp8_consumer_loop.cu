@@ -13,6 +13,9 @@
 //      twelfth session)
 //   5  level 3 without the consumers' wait on the full barrier (the producer still runs)
 //   6  level 2 + the consumers' arrivals on the empty barriers alone (no producer, no wait)
+//   9  level 3 with the handshake under the wgmmas (EPSERVE_GEMM_FP8_HIDE_HANDSHAKE): k-block
+//      kt waits for kt + 1's stage with its second group in flight and frees kt - 1's stage
+//      after issuing its first
 // cycles[2 * block + warpgroup]: clock64 cycles of the warpgroup's loop.
 #include "common/ptx.cuh"
 #include "gemm/block_scaled_mma.cuh"
@@ -33,9 +36,9 @@ namespace {
 
 using namespace epserve;
 constexpr int kLevel = EPSERVE_PROBE_LEVEL;
-static_assert(kLevel >= 0 && kLevel <= 8, "EPSERVE_PROBE_LEVEL: 0 .. 8");
+static_assert(kLevel >= 0 && kLevel <= 9, "EPSERVE_PROBE_LEVEL: 0 .. 9");
 constexpr bool kProducer = kLevel >= 3 && kLevel != 6, kFullWait = kProducer && kLevel != 5;
-constexpr bool kTileBarrier = kLevel >= 7, kStagger = kLevel == 8;
+constexpr bool kTileBarrier = kLevel == 7 || kLevel == 8, kStagger = kLevel == 8, kHidden = kLevel == 9;
 constexpr int kTileKBlocks = EPSERVE_PROBE_TILE_KB;
 constexpr int kStages = 3, kStageA = 128 * kFp8BlockK, kStageB = 256 * kFp8BlockK, kStageScales = 640;
 constexpr int kScaleBoxBytes = 132 * 4;  // the GEMM's A-scale box: a tile's rows + 4 floats
@@ -115,7 +118,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       b0 = __ldg(b_scales + kt);
       b1 = __ldg(b_scales + k_blocks + kt);
     }
-    if constexpr (kFullWait) mbarrier_wait(&full[stage], phase);
+    if (kFullWait && (!kHidden || kt == 0)) mbarrier_wait(&full[stage], phase);
     if constexpr (kLevel >= 2) {
       const float* sa = ring_sa + stage * (kStageScales / 4);
       a_lo = sa[row];
@@ -132,9 +135,14 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                           ring_b + ring_stage * kStageB + h * kHalfB);
       else
         k_block_mma_issue(part, a, b + h * kHalfB / 16);
+      if (kHidden && h == 0 && kt > 0) mbarrier_arrive(&empty[stage == 0 ? kStages - 1 : stage - 1]);
+      if (kHidden && h == 1 && kt + 1 < k_blocks) {
+        const int next = stage + 1 == kStages ? 0 : stage + 1;
+        mbarrier_wait(&full[next], next == 0 ? phase ^ 1 : phase);
+      }
       k_block_wait<0>(part);
       if (kStagger && h == 0 && tile_start && warpgroup == 0) named_barrier_arrive<2, 256>();
-      if (kLevel >= 3 && h == 1) mbarrier_arrive(&empty[stage]);
+      if (kLevel >= 3 && !kHidden && h == 1) mbarrier_arrive(&empty[stage]);
       const float s = h ? b1 : b0;
       if (h == 0) promote<0>(sum, part, a_lo * s, a_hi * s);
       else promote<64>(sum, part, a_lo * s, a_hi * s);
@@ -144,6 +152,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       phase ^= 1;
     }
   }
+  if constexpr (kHidden) mbarrier_arrive(&empty[stage == 0 ? kStages - 1 : stage - 1]);
   const long long t1 = clock64();
   float acc = 0.f;
 #pragma unroll

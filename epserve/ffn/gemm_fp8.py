@@ -91,6 +91,10 @@ KNOBS: dict[str, dict[str, int]] = {
     # (gated -1.6% to +1.1%, null +2.6 to +4.2%)
     "split+ring": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TILE_IN_RING": 1},
     "split+ahead+ring": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1, "EPSERVE_GEMM_FP8_TILE_IN_RING": 1},
+    # the ring's handshake (the next stage's full wait, the last stage's release) under the
+    # wgmmas, off the path from one wgmma group to the next (twenty-eighth session)
+    "split+hide": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_HIDE_HANDSHAKE": 1},
+    "split+ahead+hide": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1, "EPSERVE_GEMM_FP8_HIDE_HANDSHAKE": 1},
 }
 SHIPPED = {"gemm_fp8_null": "split+ahead", "gemm_fp8_peer": "split+ahead", "gemm1_fp8_swiglu": "split"}
 

@@ -1,7 +1,7 @@
 """What each part of the FP8 GEMM's consumer loop costs the tensor pipe, with no memory
 traffic (cuda/probes/fp8_consumer_loop.cu says what each level adds):
 
-    python launch/jobs/probe_fp8_consumer_loop.py [--levels 0 1 2 3 4 5 6] [--k-blocks 4096]
+    python launch/jobs/probe_fp8_consumer_loop.py [--levels 0 1 2 3 4 5 6 7 8 9] [--k-blocks 4096]
 
 One GPU, one CTA an SM. Prints, per level, the clock64 cycles a k-block takes (the slowest
 warpgroup's mean over the CTAs; 1024 at the full FP8 rate: 2 warpgroups x 2 halves x 4
@@ -35,6 +35,7 @@ LEVELS = {
     6: "level 2 + the empty arrivals alone",
     7: "level 3 + a consumer barrier a tile",
     8: "level 7, second warpgroup half a k-block behind",
+    9: "level 3, the handshake under the wgmmas",
 }
 
 
@@ -81,10 +82,11 @@ def main():
           f"each, {data}")
     print(f"{'level':>5}  {'what':<48}{'cycles/k-block':>15}{'tensor util':>12}{'R2UR':>6}{'SASS lines':>11}")
     for level in args.levels:
-        for tile in args.tile_k_blocks if level >= 7 else [16]:
+        tiled = level in (7, 8)  # the levels with a barrier every tile
+        for tile in args.tile_k_blocks if tiled else [16]:
             r = run_level(level, args.k_blocks, sms, tile, args.random_data)
             r2ur, lines = r["sass"] or ("-", "-")
-            what = LEVELS[level] + (f" ({tile})" if level >= 7 else "")
+            what = LEVELS[level] + (f" ({tile})" if tiled else "")
             print(f"{level:>5}  {what:<48}{r['cycles']:>15.1f}{r['utilisation'] * 100:>11.1f}%{r2ur:>6}{lines:>11}")
 
 

@@ -70,6 +70,14 @@ def summarize(stamps: np.ndarray, k_blocks: int) -> dict:
     out["producer: take + decode"] = s[:, :, 7][taken] - s[:, :, 6][taken]
     out["producer's take to consumers' start"] = s[:, :, 1][tile & taken] - s[:, :, 7][tile & taken]
     out["tiles per CTA"] = tile.sum(axis=1)
+    # each CTA's span, its first stamp to its last, and how much of it lies inside its tiles
+    # (first wait to hand-over): the rest is the gaps between tiles and the CTA's end
+    ctas = (s > 0).any(axis=(1, 2))
+    masked = np.where(s > 0, s, np.iinfo(np.int64).max)
+    span = (s.max(axis=(1, 2)) - masked.min(axis=(1, 2)))[ctas]
+    inside = np.where(handed, s[:, :, 3] - s[:, :, 0], 0).sum(axis=1)[ctas]
+    out["CTA span"] = span
+    out["CTA span inside its tiles, %"] = 100.0 * inside / np.maximum(span, 1)
     out["per k-block"] = float(np.median(out["k-loop"])) / k_blocks if out["k-loop"].size else float("nan")
     return out
 
@@ -78,6 +86,10 @@ def print_summary(label: str, us: float, summary: dict) -> None:
     tiles = summary["tiles per CTA"]
     print(f"## {label}: {us:.0f} us (the traced launch), {tiles.min()}-{tiles.max()} tiles a CTA, k-loop "
           f"{summary['per k-block']:.0f} cycles a k-block (median)")
+    span = summary["CTA span"]
+    if len(span):  # cycles over the launch's time: the SM clock the launch ran at, on average
+        print(f"   SM clock over the launch: {np.median(span) / us:.0f} MHz (median CTA span), "
+              f"{np.max(span) / us:.0f} MHz (longest)")
     for name, v in summary.items():
         if name in ("tiles per CTA", "per k-block") or not len(v):
             continue

@@ -80,3 +80,16 @@ def test_k_blocks_of_both_warpgroups(job):
         assert set(got[f"k-block {kt}, second ends after the first by"]) == {256}
     plain = job.summarize(made_up_stamps(job, [3, 2], k_blocks=16), 16)  # =1: none of these spans
     assert not plain["k-block 0 before its MMA"].size and not plain["k-block 1, first warpgroup"].size
+
+
+def test_cta_span_and_the_share_inside_tiles(job):
+    """A CTA's span runs from its first stamp (the producer's first take) to its last (the stop
+    entry's first wait); the share inside tiles is the tiles' start-to-hand-over sum over it."""
+    tiles, k_blocks, wait, k_block, epilogue, gap, take = 4, 8, 100, 1200, 800, 40, 500  # stamps > 0
+    stamps = made_up_stamps(job, [tiles], k_blocks=k_blocks, wait=wait, k_block=k_block, epilogue=epilogue, gap=gap,
+                            take=take)
+    got = job.summarize(stamps, k_blocks)
+    tile = wait + k_blocks * k_block + 50 + epilogue
+    span = (take + 300) + tiles * (tile + gap) + wait
+    assert list(got["CTA span"]) == [span]
+    assert got["CTA span inside its tiles, %"][0] == pytest.approx(100.0 * tiles * tile / span)
