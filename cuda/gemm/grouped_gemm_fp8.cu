@@ -196,7 +196,9 @@
 //   reads of it came before, and its arrive releases them as before). A stage is freed one
 //   promotion and one issue later. Same bits: the same wgmmas, promotions and scales in the
 //   same order; only when a thread waits and arrives moves. Not with the overlapped loop or
-//   the tile in the ring.
+//   the tile in the ring. =1 measured slower (GEMM 2 +2.6-9%, GEMM 1 +1.3%, twenty-eighth
+//   session: a stage freed later reaches the producer later, and GEMM 2's split tails ran
+//   their k-blocks 30% slower); =2 moves the full wait alone, the release stays where it was.
 // Diagnostic build: EPSERVE_GEMM_FP8_TRACE=1 stamps %clock64 at points of each tile into
 // epserve_gemm_trace (below); launch/jobs/trace_gemm_fp8.py reads them.
 // Diagnostic build: EPSERVE_GEMM_FP8_SMEM_PAD=B asks for B more bytes of shared memory, never
@@ -365,6 +367,9 @@ constexpr bool kSplitTails = EPSERVE_GEMM_FP8_SPLIT_TAILS != 0 && kBN == 256;  /
 constexpr bool kOverlap = EPSERVE_GEMM_FP8_OVERLAP != 0 && kMma;
 // EPSERVE_GEMM_FP8_HIDE_HANDSHAKE: the full wait and the release under the wgmmas (top of the file).
 constexpr bool kHideHandshake = EPSERVE_GEMM_FP8_HIDE_HANDSHAKE != 0;
+constexpr bool kHideRelease = EPSERVE_GEMM_FP8_HIDE_HANDSHAKE == 1;  // =2: the full wait alone
+static_assert(EPSERVE_GEMM_FP8_HIDE_HANDSHAKE >= 0 && EPSERVE_GEMM_FP8_HIDE_HANDSHAKE <= 2,
+              "EPSERVE_GEMM_FP8_HIDE_HANDSHAKE: 0, 1 (the wait and the release) or 2 (the wait)");
 static_assert(!kHideHandshake || (!kOverlap && !kTileInRing),
               "EPSERVE_GEMM_FP8_HIDE_HANDSHAKE: not with the overlapped loop or the tile in the ring");
 static_assert(!kOverlap || kBN == 128 || EPSERVE_GEMM_FP8_SPLIT_TAILS, "EPSERVE_GEMM_FP8_OVERLAP acts on tiles a "
@@ -881,11 +886,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       }
     };
     // kHideHandshake: one wgmma group of the k-block in `stage`, with the ring's handshake
-    // while it runs: the release of the previous k-block's stage (frees_previous: on the
-    // k-block's first group, from its second k-block on) and the wait for the next k-block's
-    // stage (waits_next: on its last group, but for the tile's last k-block, whose next stage
-    // the tile loop waits for). The k-loop then waits on its first k-block's stage only and
-    // frees its last one by release_previous, after the loop.
+    // while it runs: the wait for the next k-block's stage (waits_next: on its last group, but
+    // for the tile's last k-block, whose next stage the tile loop waits for) and, with
+    // kHideRelease, the release of the previous k-block's stage (frees_previous: on the
+    // k-block's first group, from its second k-block on). The k-loop then waits on its first
+    // k-block's stage only and, with kHideRelease, frees its last one by release_previous
+    // after the loop.
     auto next_stage_wait = [&] {
       const int next = stage + 1 == kStages ? 0 : stage + 1;
       mbarrier_wait(&full[next], next == 0 ? phase ^ 1 : phase);
@@ -1000,10 +1006,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             const float b_scale = __ldg(sbh + kt);
             if (kt == 0) mbarrier_wait(&full[stage], phase);  // later k-blocks': under the last one's wgmmas
             hidden_k_block_mma(part, ring_a_desc + (stage * kAStride + a_off) / 16,
-                               ring_b_desc + (stage * kBStride + b_off) / 16, kt > 0, kt + 1 < k_blocks);
-            promote_stage(part, b_scale, false);
+                               ring_b_desc + (stage * kBStride + b_off) / 16, kHideRelease && kt > 0, kt + 1 < k_blocks);
+            promote_stage(part, b_scale, !kHideRelease);
           }
-          release_previous();
+          if constexpr (kHideRelease) release_previous();
         } else {
           for (int kt = 0; kt < k_blocks; ++kt) {
             const float b_scale = __ldg(sbh + kt);  // in flight during the wait
@@ -1027,20 +1033,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           const uint32_t b = ring_b_desc + stage * kBStride / 16;
           if constexpr (kTrace) trace_point(tid == 0 && kt == 0, seq, 8);
           const bool frees = !kTileInRing || kt < held_from;
-          if constexpr (kHideHandshake) {
-            hidden_k_block_mma(part, a, b, kt > 0, !second_half && kt + 1 < k_blocks);
-          } else {
-            k_block_mma<kMma>(part, a, b);
-            if (!second_half && frees) release(stage);
-          }
+          if constexpr (kHideHandshake) hidden_k_block_mma(part, a, b, kHideRelease && kt > 0, !second_half && kt + 1 < k_blocks);
+          else k_block_mma<kMma>(part, a, b);
+          if (!kHideRelease && !second_half && frees) release(stage);
           if constexpr (kMma) promote<0, kFirst>(sum, part, a_lo * b_scale0, a_hi * b_scale0);  // (a probe: sum stays 0)
           if (second_half) {
-            if constexpr (kHideHandshake) {
-              hidden_k_block_mma(part, a, b + kHalfN * kBK / 16, false, kt + 1 < k_blocks);
-            } else {
-              k_block_mma<kMma>(part, a, b + kHalfN * kBK / 16);
-              if (frees) release(stage);
-            }
+            if constexpr (kHideHandshake) hidden_k_block_mma(part, a, b + kHalfN * kBK / 16, false, kt + 1 < k_blocks);
+            else k_block_mma<kMma>(part, a, b + kHalfN * kBK / 16);
+            if (!kHideRelease && frees) release(stage);
             if constexpr (kMma) promote<64, kFirst>(sum, part, a_lo * b_scale1, a_hi * b_scale1);
           } else if constexpr (kFirst) {
 #pragma unroll
@@ -1060,7 +1060,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           for (int i = 0; i < 128; ++i) sum[i] = 0.f;
         }
         for (; kt < k_blocks; ++kt) k_block(kt, KBlockKind<false>{});
-        if constexpr (kHideHandshake) release_previous();
+        if constexpr (kHideRelease) release_previous();
       } else {  // no rows in this warpgroup's half: free the stages for the producer
         for (int kt = 0; kt < k_blocks; ++kt) {
           mbarrier_wait(&full[stage], phase);

@@ -14,6 +14,7 @@ import numpy as np
 
 VARIANT = "sm_clock_probe"  # epserve/runtime/kernels.py: cuda/probes/sm_clock.cu
 KERNEL = "epserve_sm_clock"
+KERNEL_DURING = "epserve_sm_clock_during"
 SPAN_NS = 100_000  # long against the global timer's tick (<= 1 us), short against the power cap's changes
 
 
@@ -27,6 +28,29 @@ class SmClock:
         self._kernel = kernels.function(VARIANT, KERNEL)
         self._span = np.uint64(span_ns)
         self._mhz = cupy.zeros(1, np.float32)
+        self._during = self._side = None  # mhz_during's kernel and stream, made at its first call
+
+    def mhz_during(self, fn, delay_ns: int, span_ns: int) -> float:
+        """The clock while fn (launches on the current stream) runs: the probe on a stream of
+        its own, started with fn, reads the clock from delay_ns to delay_ns + span_ns into it
+        (cuda/probes/sm_clock.cu, epserve_sm_clock_during). Meaningful where fn's kernels
+        leave an SM room for the probe's one-thread CTA and run longer than delay_ns + span_ns;
+        waits for both."""
+        from epserve.runtime import kernels
+
+        if self._during is None:
+            self._during = kernels.function(VARIANT, KERNEL_DURING)
+            self._side = cupy.cuda.Stream(non_blocking=True)
+        main = cupy.cuda.get_current_stream()
+        started = cupy.cuda.Event()
+        started.record(main)
+        self._side.wait_event(started)
+        with self._side:
+            self._during((1,), (1,), (np.uint64(delay_ns), np.uint64(span_ns), self._mhz))
+        fn()
+        self._side.synchronize()
+        main.synchronize()
+        return float(self._mhz.get()[0])
 
     def mhz(self) -> float:
         """The clock now: queued on the current stream (after whatever is queued there), then

@@ -95,6 +95,10 @@ KNOBS: dict[str, dict[str, int]] = {
     # wgmmas, off the path from one wgmma group to the next (twenty-eighth session)
     "split+hide": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_HIDE_HANDSHAKE": 1},
     "split+ahead+hide": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1, "EPSERVE_GEMM_FP8_HIDE_HANDSHAKE": 1},
+    # the full wait alone under the wgmmas, the release where it was
+    "split+hidewait": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_HIDE_HANDSHAKE": 2},
+    "split+ahead+hidewait": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1,
+                             "EPSERVE_GEMM_FP8_HIDE_HANDSHAKE": 2},
 }
 SHIPPED = {"gemm_fp8_null": "split+ahead", "gemm_fp8_peer": "split+ahead", "gemm1_fp8_swiglu": "split"}
 

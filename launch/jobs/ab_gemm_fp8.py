@@ -106,13 +106,16 @@ def dsv3_rows_and_weights(rs, need_weights: bool):
     return H, I, offsets_host, weights
 
 
-def bench_row(fn, clock) -> tuple[float, float]:
-    """(median ms, MHz after) of fn timed as a bench row."""
+def bench_row(fn, clock) -> tuple[float, float, float]:
+    """(median ms, MHz after, MHz during) of fn timed as a bench row: the clock read right
+    after the row's calls, and during one more call (from a third of its time, for a third)."""
     from epserve.bench.events import samples_ms
 
     time.sleep(0.25)
     ms = float(np.median(samples_ms(fn, 3, 10)))
-    return ms, clock.mhz()
+    after = clock.mhz()
+    third_ns = int(ms * 1e6 / 3)
+    return ms, after, clock.mhz_during(fn, third_ns, third_ns)
 
 
 def main():
@@ -163,18 +166,21 @@ def main():
     clock = SmClock()
     times = {label: [] for label in labels}
     clocks = {label: [] for label in labels}
+    during = {label: [] for label in labels}
     for rnd in range(args.rounds):
         for g, name in block_order(labels, rnd):
-            ms, mhz = bench_row(groups[g][1][name][0], clock)
+            ms, mhz, mhz_during = bench_row(groups[g][1][name][0], clock)
             times[(g, name)].append(ms)
             clocks[(g, name)].append(mhz)
+            during[(g, name)].append(mhz_during)
 
     dev = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"# FP8 GEMM builds on {dev}, each timed as a bench row (0.25 s idle, 3 + 10 calls, median), "
-          f"{args.rounds} rounds A B .. B A; #wrong: elements differing in any bit from the shipped build")
+          f"{args.rounds} rounds A B .. B A; #wrong: elements differing in any bit from the shipped build; "
+          f"SM clock (MHz, medians) during one more call of the row and right after the row")
     width = 7 * args.rounds + 2
-    print(f"{'problem':<14}{'build':<28}{'rounds (us)':<{width}}{'us':>8}{'TFLOP/s':>9}{'MHz':>6}{'vs shipped':>12}"
-          f"{'#wrong':>8}")
+    print(f"{'problem':<14}{'build':<28}{'rounds (us)':<{width}}{'us':>8}{'TFLOP/s':>9}{'during':>7}{'after':>6}"
+          f"{'vs shipped':>12}{'#wrong':>8}")
     for g, name in labels:
         prob, runs, flops = groups[g]
         _, out, ref = runs[name]
@@ -184,7 +190,7 @@ def main():
         n_wrong = "-" if ref is None else str(wrong(out, runs[ref][1]))
         rounds = " ".join(f"{t * 1e3:6.0f}" for t in times[(g, name)])
         print(f"{prob:<14}{name:<28}{rounds:<{width}}{ms * 1e3:8.0f}{flops / ms / 1e9:9.0f}"
-              f"{np.median(clocks[(g, name)]):6.0f}{vs:>12}{n_wrong:>8}")
+              f"{np.median(during[(g, name)]):7.0f}{np.median(clocks[(g, name)]):6.0f}{vs:>12}{n_wrong:>8}")
 
 
 if __name__ == "__main__":

@@ -36,3 +36,26 @@ def test_the_probe_agrees_with_cycles_over_event_time():
     assert 200 < probed < 3000, probed  # MHz, not kHz or GHz
     # one idle-ish GPU: the clock holds over the ~30 ms between the two readings
     assert abs(probed - by_events) / by_events < 0.05, (probed, by_events)
+
+
+def test_the_clock_during_a_kernel_agrees_with_its_own_cycles():
+    """mhz_during reads the clock while another kernel runs beside it: against that kernel's
+    own cycles over its event time (a spin of one CTA an SM, as long as the probe's window and
+    more), within 5%."""
+    spin = cupy.RawKernel(SPIN, "spin_cycles")
+    took = cupy.zeros(1, np.int64)
+    clock = SmClock()
+    sms = cupy.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+
+    def run():
+        start.record()
+        spin((sms,), (384,), (np.int64(40_000_000), took))  # ~20-35 ms
+        stop.record()
+
+    run()
+    stop.synchronize()
+    during = clock.mhz_during(run, 5_000_000, 10_000_000)  # from 5 ms in, for 10 ms
+    by_events = int(took.get()[0]) / cupy.cuda.get_elapsed_time(start, stop) / 1e3
+    assert 200 < during < 3000, during
+    assert abs(during - by_events) / by_events < 0.05, (during, by_events)
