@@ -38,6 +38,28 @@ __device__ __forceinline__ void k_block_mma_issue(float (&part)[64], uint32_t a_
 __device__ __forceinline__ void k_block_mma_issue(float (&part)[64], const unsigned char* a, const unsigned char* b) {
   k_block_mma_issue(part, smem_desc_sw128_lo(a), smem_desc_sw128_lo(b));
 }
+// The RS form (A from registers, common/wgmma_fp8.cuh): load_a_k_block reads this warp's 16
+// rows of a warpgroup's 64-row A block (a_rows: its first row in a 128-byte swizzled stage,
+// 1024-byte aligned) for the four k32 steps of a k-block, by one ldmatrix.x4 a step;
+// k_block_mma_issue_rs then issues the four wgmmas from them, and a k-block's two halves share
+// one load.
+__device__ __forceinline__ void load_a_k_block(uint32_t (&a)[16], const unsigned char* a_rows, int warp, int lane) {
+  const int r = warp * 16 + lane % 16;
+#pragma unroll
+  for (int kk = 0; kk < kFp8BlockK / 32; ++kk) {
+    const int chunk = 2 * kk + lane / 16;
+    ldmatrix_x4(*reinterpret_cast<uint32_t(*)[4]>(a + 4 * kk), a_rows + r * 128 + ((chunk ^ (r % 8)) * 16));
+  }
+}
+__device__ __forceinline__ void k_block_mma_issue_rs(float (&part)[64], const uint32_t (&a)[16], uint32_t b_lo) {
+  fence_operands(part);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kFp8BlockK / 32; ++kk)
+    wgmma_m64n128k32_e4m3_rs(part, *reinterpret_cast<const uint32_t(*)[4]>(a + 4 * kk),
+                             smem_desc_sw128_from_lo(b_lo + 2 * kk), kk != 0);
+  wgmma_commit();
+}
 template <int kPending>
 __device__ __forceinline__ void k_block_wait(float (&part)[64]) {
   wgmma_wait<kPending>();

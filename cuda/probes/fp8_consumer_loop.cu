@@ -16,6 +16,8 @@
 //   9  level 3 with the handshake under the wgmmas (EPSERVE_GEMM_FP8_HIDE_HANDSHAKE): k-block
 //      kt waits for kt + 1's stage with its second group in flight and frees kt - 1's stage
 //      after issuing its first
+//   10 level 3 with A from registers (the RS wgmma): each k-block's A rows read once by
+//      ldmatrix for both halves, instead of by each half's wgmmas from shared memory
 // cycles[2 * block + warpgroup]: clock64 cycles of the warpgroup's loop.
 #include "common/ptx.cuh"
 #include "gemm/block_scaled_mma.cuh"
@@ -36,9 +38,10 @@ namespace {
 
 using namespace epserve;
 constexpr int kLevel = EPSERVE_PROBE_LEVEL;
-static_assert(kLevel >= 0 && kLevel <= 9, "EPSERVE_PROBE_LEVEL: 0 .. 9");
+static_assert(kLevel >= 0 && kLevel <= 10, "EPSERVE_PROBE_LEVEL: 0 .. 10");
 constexpr bool kProducer = kLevel >= 3 && kLevel != 6, kFullWait = kProducer && kLevel != 5;
 constexpr bool kTileBarrier = kLevel == 7 || kLevel == 8, kStagger = kLevel == 8, kHidden = kLevel == 9;
+constexpr bool kRegisterA = kLevel == 10;
 constexpr int kTileKBlocks = EPSERVE_PROBE_TILE_KB;
 constexpr int kStages = 3, kStageA = 128 * kFp8BlockK, kStageB = 256 * kFp8BlockK, kStageScales = 640;
 constexpr int kScaleBoxBytes = 132 * 4;  // the GEMM's A-scale box: a tile's rows + 4 floats
@@ -127,10 +130,14 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     const int ring_stage = kLevel == 0 ? 0 : stage;
     const uint32_t a = ring_a_desc + (ring_stage * kStageA + warpgroup * kHalfA) / 16;
     const uint32_t b = ring_b_desc + ring_stage * kStageB / 16;
+    uint32_t a_frag[16];
+    if constexpr (kRegisterA) load_a_k_block(a_frag, ring_a + ring_stage * kStageA + warpgroup * kHalfA, warp, lane);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (kStagger && h == 0 && tile_start && warpgroup == 1) named_barrier_sync_across_roles<2, 256>();
-      if constexpr (kLevel == 4)
+      if constexpr (kRegisterA)
+        k_block_mma_issue_rs(part, a_frag, b + h * kHalfB / 16);
+      else if constexpr (kLevel == 4)
         k_block_mma_issue(part, ring_a + ring_stage * kStageA + warpgroup * kHalfA,
                           ring_b + ring_stage * kStageB + h * kHalfB);
       else

@@ -36,6 +36,7 @@ LEVELS = {
     7: "level 3 + a consumer barrier a tile",
     8: "level 7, second warpgroup half a k-block behind",
     9: "level 3, the handshake under the wgmmas",
+    10: "level 3, A from registers (RS wgmma)",
 }
 
 
@@ -49,7 +50,8 @@ def sass_counts(cubin) -> tuple[int, int] | None:
     return sum("R2UR" in ln for ln in lines), len(lines)
 
 
-def run_level(level: int, k_blocks: int, sms: int, tile_k_blocks: int = 16, random_data: bool = False) -> dict:
+def run_level(level: int, k_blocks: int, sms: int, tile_k_blocks: int = 16, random_data: bool = False,
+              repeat: int = 0) -> dict:
     art = build.compile_source(SOURCE, {"EPSERVE_PROBE_LEVEL": level, "EPSERVE_PROBE_TILE_KB": tile_k_blocks,
                                         "EPSERVE_PROBE_RANDOM_DATA": int(random_data)})
     mod = cupy.RawModule(path=str(art.cubin))
@@ -63,9 +65,20 @@ def run_level(level: int, k_blocks: int, sms: int, tile_k_blocks: int = 16, rand
     for _ in range(3):  # the last of three launches, warm
         fn((sms,), (384,), args, shared_mem=smem)
     cupy.cuda.get_current_stream().synchronize()
+    wall_ns = float("nan")
+    if repeat:  # back to back, as the power cap sees a GEMM: the time and the clock it settles to
+        events = [cupy.cuda.Event() for _ in range(repeat + 1)]
+        events[0].record()
+        for i in range(repeat):
+            fn((sms,), (384,), args, shared_mem=smem)
+            events[i + 1].record()
+        events[-1].synchronize()
+        walls = [cupy.cuda.get_elapsed_time(events[i], events[i + 1]) * 1e6 for i in range(repeat)]
+        wall_ns = float(np.median(walls[repeat // 2:]))  # the settled half
     per_cta = cycles.get().reshape(sms, 2).max(axis=1)
     per_k_block = float(per_cta.mean()) / k_blocks
-    return {"cycles": per_k_block, "utilisation": IDEAL_CYCLES / per_k_block, "sass": sass_counts(art.cubin)}
+    return {"cycles": per_k_block, "utilisation": IDEAL_CYCLES / per_k_block, "sass": sass_counts(art.cubin),
+            "ns": wall_ns / k_blocks, "mhz": float(per_cta.mean()) / wall_ns * 1e3}
 
 
 def main():
@@ -73,6 +86,9 @@ def main():
     p.add_argument("--levels", type=int, nargs="+", default=sorted(LEVELS))
     p.add_argument("--k-blocks", type=int, default=4096)
     p.add_argument("--random-data", action="store_true", help="random e4m3 operands instead of values near 1")
+    p.add_argument("--repeat", type=int, default=0,
+                   help="also launch each level this many times back to back: ns a k-block and the SM clock, "
+                        "settled under the power cap (medians of the second half)")
     p.add_argument("--tile-k-blocks", type=int, nargs="+", default=[16], help="levels 7 and 8: k-blocks between barriers")
     args = p.parse_args()
     dev = cupy.cuda.runtime.getDeviceProperties(0)
@@ -80,14 +96,16 @@ def main():
     data = "random e4m3 operands" if args.random_data else "operands near 1"
     print(f"# FP8 consumer loop, no memory traffic: {dev['name'].decode()}, {sms} CTAs, {args.k_blocks} k-blocks "
           f"each, {data}")
-    print(f"{'level':>5}  {'what':<48}{'cycles/k-block':>15}{'tensor util':>12}{'R2UR':>6}{'SASS lines':>11}")
+    sustained = f"{'ns/k-block':>11}{'MHz':>6}" if args.repeat else ""
+    print(f"{'level':>5}  {'what':<48}{'cycles/k-block':>15}{'tensor util':>12}{sustained}{'R2UR':>6}{'SASS lines':>11}")
     for level in args.levels:
         tiled = level in (7, 8)  # the levels with a barrier every tile
         for tile in args.tile_k_blocks if tiled else [16]:
-            r = run_level(level, args.k_blocks, sms, tile, args.random_data)
+            r = run_level(level, args.k_blocks, sms, tile, args.random_data, args.repeat)
             r2ur, lines = r["sass"] or ("-", "-")
             what = LEVELS[level] + (f" ({tile})" if tiled else "")
-            print(f"{level:>5}  {what:<48}{r['cycles']:>15.1f}{r['utilisation'] * 100:>11.1f}%{r2ur:>6}{lines:>11}")
+            settled = f"{r['ns']:>11.1f}{r['mhz']:>6.0f}" if args.repeat else ""
+            print(f"{level:>5}  {what:<48}{r['cycles']:>15.1f}{r['utilisation'] * 100:>11.1f}%{settled}{r2ur:>6}{lines:>11}")
 
 
 if __name__ == "__main__":

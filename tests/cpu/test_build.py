@@ -79,14 +79,14 @@ def test_fp8_consumer_loop_probe_compiles_at_every_level(cache):
     spec = importlib.util.spec_from_file_location("probe_fp8_consumer_loop", job)
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
-    assert sorted(probe.LEVELS) == list(range(10))
+    assert sorted(probe.LEVELS) == list(range(11))
     for level in probe.LEVELS:
         art = build.compile_source(probe.SOURCE, {"EPSERVE_PROBE_LEVEL": level})
         assert not re.search(r"[1-9]\d* bytes spill stores", art.log), (level, art.log)
         assert "C75" not in art.log, (level, art.log)
         assert art.ptx.read_text().count("wgmma.mma_async") >= 4, level
     with pytest.raises(BuildError):
-        build.compile_source(probe.SOURCE, {"EPSERVE_PROBE_LEVEL": 10})
+        build.compile_source(probe.SOURCE, {"EPSERVE_PROBE_LEVEL": 11})
 
 
 # The FP8 GEMM's diagnostic builds (cuda/gemm/grouped_gemm_fp8.cu, launch/jobs/probe_gemm_fp8.py):
