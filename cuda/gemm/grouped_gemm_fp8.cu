@@ -199,6 +199,13 @@
 //   the tile in the ring. =1 measured slower (GEMM 2 +2.6-9%, GEMM 1 +1.3%, twenty-eighth
 //   session: a stage freed later reaches the producer later, and GEMM 2's split tails ran
 //   their k-blocks 30% slower); =2 moves the full wait alone, the release stays where it was.
+// - EPSERVE_GEMM_FP8_REGISTER_A=1: on whole 256-wide tiles each consumer reads its k-block's
+//   A rows from the stage into registers once (four ldmatrix.x4, 16 registers) and both
+//   128-column halves' wgmmas take A from them (the RS form, common/wgmma_fp8.cuh), where the
+//   default's wgmmas read A from shared memory, once per half: shared-memory reads for the
+//   MMA fall from 48 to 40 KB a warpgroup and k-block. Under the power limit, which holds
+//   these GEMMs (notes/gemm.md), bytes not moved are energy not spent. Same bits if the
+//   fragment is right: the same products of the same e4m3 values in the same wgmma.
 // Diagnostic build: EPSERVE_GEMM_FP8_TRACE=1 stamps %clock64 at points of each tile into
 // epserve_gemm_trace (below); launch/jobs/trace_gemm_fp8.py reads them.
 // Diagnostic build: EPSERVE_GEMM_FP8_SMEM_PAD=B asks for B more bytes of shared memory, never
@@ -266,6 +273,9 @@
 #endif
 #ifndef EPSERVE_GEMM_FP8_HIDE_HANDSHAKE
 #define EPSERVE_GEMM_FP8_HIDE_HANDSHAKE 0
+#endif
+#ifndef EPSERVE_GEMM_FP8_REGISTER_A
+#define EPSERVE_GEMM_FP8_REGISTER_A 0
 #endif
 
 namespace {
@@ -372,6 +382,8 @@ static_assert(EPSERVE_GEMM_FP8_HIDE_HANDSHAKE >= 0 && EPSERVE_GEMM_FP8_HIDE_HAND
               "EPSERVE_GEMM_FP8_HIDE_HANDSHAKE: 0, 1 (the wait and the release) or 2 (the wait)");
 static_assert(!kHideHandshake || (!kOverlap && !kTileInRing),
               "EPSERVE_GEMM_FP8_HIDE_HANDSHAKE: not with the overlapped loop or the tile in the ring");
+// EPSERVE_GEMM_FP8_REGISTER_A: whole tiles' wgmmas take A from registers (top of the file).
+constexpr bool kRegisterA = EPSERVE_GEMM_FP8_REGISTER_A != 0;
 static_assert(!kOverlap || kBN == 128 || EPSERVE_GEMM_FP8_SPLIT_TAILS, "EPSERVE_GEMM_FP8_OVERLAP acts on tiles a "
               "warpgroup computes one half of: build it with EPSERVE_GEMM_FP8_BN=128 or EPSERVE_GEMM_FP8_SPLIT_TAILS=1");
 // Named barriers of the split tails' GEMM 1 epilogue (0 is __syncthreads; 2 and 3 are the
@@ -897,8 +909,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       mbarrier_wait(&full[next], next == 0 ? phase ^ 1 : phase);
     };
     auto release_previous = [&] { release(stage == 0 ? kStages - 1 : stage - 1); };
-    auto hidden_k_block_mma = [&](float(&p)[64], uint32_t a, uint32_t b, bool frees_previous, bool waits_next) {
-      if constexpr (kMma) k_block_mma_issue(p, a, b);
+    auto hidden_k_block_mma = [&](float(&p)[64], auto issue, bool frees_previous, bool waits_next) {
+      if constexpr (kMma) issue();
       if (frees_previous) release_previous();
       if (waits_next) next_stage_wait();
       if constexpr (kMma) {
@@ -1005,8 +1017,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           for (int kt = 0; kt < k_blocks; ++kt) {
             const float b_scale = __ldg(sbh + kt);
             if (kt == 0) mbarrier_wait(&full[stage], phase);  // later k-blocks': under the last one's wgmmas
-            hidden_k_block_mma(part, ring_a_desc + (stage * kAStride + a_off) / 16,
-                               ring_b_desc + (stage * kBStride + b_off) / 16, kHideRelease && kt > 0, kt + 1 < k_blocks);
+            const uint32_t a = ring_a_desc + (stage * kAStride + a_off) / 16;
+            const uint32_t b = ring_b_desc + (stage * kBStride + b_off) / 16;
+            hidden_k_block_mma(part, [&] { k_block_mma_issue(part, a, b); }, kHideRelease && kt > 0, kt + 1 < k_blocks);
             promote_stage(part, b_scale, !kHideRelease);
           }
           if constexpr (kHideRelease) release_previous();
@@ -1031,15 +1044,32 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           const float a_lo = sa[row], a_hi = sa[row + 8];
           const uint32_t a = ring_a_desc + (stage * kAStride + warpgroup * kHalfA) / 16;
           const uint32_t b = ring_b_desc + stage * kBStride / 16;
+          // kRegisterA: this k-block's A rows into registers once, for both halves
+          uint32_t a_frag[16];  // (unused without kRegisterA)
+          if constexpr (kRegisterA) load_a_k_block(a_frag, ring_a + stage * kAStride + warpgroup * kHalfA, warp, lane);
+          auto issue_half = [&](uint32_t b_half) {
+            if constexpr (kRegisterA) k_block_mma_issue_rs(part, a_frag, b_half);
+            else k_block_mma_issue(part, a, b_half);
+          };
+          auto mma_half = [&](uint32_t b_half) {
+            if constexpr (kRegisterA && kMma) {
+              issue_half(b_half);
+              k_block_wait<0>(part);
+            } else {
+              k_block_mma<kMma>(part, a, b_half);
+            }
+          };
           if constexpr (kTrace) trace_point(tid == 0 && kt == 0, seq, 8);
           const bool frees = !kTileInRing || kt < held_from;
-          if constexpr (kHideHandshake) hidden_k_block_mma(part, a, b, kHideRelease && kt > 0, !second_half && kt + 1 < k_blocks);
-          else k_block_mma<kMma>(part, a, b);
+          if constexpr (kHideHandshake)
+            hidden_k_block_mma(part, [&] { issue_half(b); }, kHideRelease && kt > 0, !second_half && kt + 1 < k_blocks);
+          else mma_half(b);
           if (!kHideRelease && !second_half && frees) release(stage);
           if constexpr (kMma) promote<0, kFirst>(sum, part, a_lo * b_scale0, a_hi * b_scale0);  // (a probe: sum stays 0)
           if (second_half) {
-            if constexpr (kHideHandshake) hidden_k_block_mma(part, a, b + kHalfN * kBK / 16, false, kt + 1 < k_blocks);
-            else k_block_mma<kMma>(part, a, b + kHalfN * kBK / 16);
+            if constexpr (kHideHandshake)
+              hidden_k_block_mma(part, [&] { issue_half(b + kHalfN * kBK / 16); }, false, kt + 1 < k_blocks);
+            else mma_half(b + kHalfN * kBK / 16);
             if (!kHideRelease && frees) release(stage);
             if constexpr (kMma) promote<64, kFirst>(sum, part, a_lo * b_scale1, a_hi * b_scale1);
           } else if constexpr (kFirst) {

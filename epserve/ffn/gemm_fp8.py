@@ -99,6 +99,9 @@ KNOBS: dict[str, dict[str, int]] = {
     "split+hidewait": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_HIDE_HANDSHAKE": 2},
     "split+ahead+hidewait": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1,
                              "EPSERVE_GEMM_FP8_HIDE_HANDSHAKE": 2},
+    # whole tiles' A rows read once a k-block into registers for both halves (the RS wgmma)
+    "split+rega": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_REGISTER_A": 1},
+    "split+ahead+rega": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1, "EPSERVE_GEMM_FP8_REGISTER_A": 1},
 }
 SHIPPED = {"gemm_fp8_null": "split+ahead", "gemm_fp8_peer": "split+ahead", "gemm1_fp8_swiglu": "split"}
 
