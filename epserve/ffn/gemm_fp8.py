@@ -102,6 +102,11 @@ KNOBS: dict[str, dict[str, int]] = {
     # whole tiles' A rows read once a k-block into registers for both halves (the RS wgmma)
     "split+rega": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_REGISTER_A": 1},
     "split+ahead+rega": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1, "EPSERVE_GEMM_FP8_REGISTER_A": 1},
+    # the shipped builds with the split tails' next k-block in flight during a promotion
+    # ("split+overlap" is the same on the plain build): a split tail's k-blocks run ~1.8x
+    # their MMA time, its two warpgroups in lockstep (twenty-ninth session)
+    "split+ovl": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_OVERLAP": 1},
+    "split+ahead+ovl": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1, "EPSERVE_GEMM_FP8_OVERLAP": 1},
 }
 SHIPPED = {"gemm_fp8_null": "split+ahead", "gemm_fp8_peer": "split+ahead", "gemm1_fp8_swiglu": "split"}
 
