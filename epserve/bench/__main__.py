@@ -190,14 +190,15 @@ def main(argv=None) -> int:
                 if rank == 0:  # reported, not asserted: what FP8 costs against the bf16 layer
                     print(f"# {at.name} {routing.label} T={T}: FP8 layer vs bf16 layer, relative error {err:.4f}",
                           flush=True)
-            gathered = comm.gather([(r.samples_ms, r.sm_mhz) for r in results], root=0)
+            gathered = comm.gather([(r.samples_ms, r.sm_mhz, r.sm_mhz_during) for r in results], root=0)
             if rank == 0:
-                slowest = slowest_rank([{r.path: ms for r, (ms, _) in zip(results, g)} for g in gathered])
+                slowest = slowest_rank([{r.path: ms for r, (ms, _, _) in zip(results, g)} for g in gathered])
                 for n, r in enumerate(results):
                     rows.append(measured_row(at, routing, r.path, slowest[r.path], r.work, point_rates,
                                              per_rank_ms=[g[n][0] for g in gathered], wrong=r.wrong,
                                              host_waits=r.host_waits, mpi_calls=r.mpi_calls,
-                                             per_rank_mhz=[g[n][1] for g in gathered]))
+                                             per_rank_mhz=[g[n][1] for g in gathered],
+                                             per_rank_mhz_during=[g[n][2] for g in gathered]))
         del w13, w2, fp8w
         svc.close()
     if rank != 0:

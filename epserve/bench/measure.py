@@ -98,6 +98,7 @@ class PathResult:
     host_waits: int | None = None  # per call, counted (host_calls.py)
     mpi_calls: int | None = None
     sm_mhz: float | None = None  # this rank's SM clock right after the timed iterations (clock.py)
+    sm_mhz_during: float | None = None  # ... and during one more call, where the power cap holds it (clock.py)
 
 
 def dispatch_work(counts, hidden: int, dedup: bool) -> arithmetic.Work:
@@ -228,7 +229,8 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
         "layer-torch": arithmetic.layer_work(counts, H, I, dedup_dispatch=False),
     }
     return [PathResult(p, samples[p], work[p], None if wrong[p] is None else comm.allreduce(wrong[p]),
-                       *_busiest_rank(comm, calls[p]), sm_mhz=clocks[p])
+                       *_busiest_rank(comm, calls[p]), sm_mhz=clocks[p][0],
+                       sm_mhz_during=clocks[p][1])
             for p in paths]
 
 
@@ -239,19 +241,25 @@ QUEUED = ("dispatch-layer",)
 
 def time_paths(comm, runs, paths, warmup: int, iters: int) -> tuple[dict, dict, dict]:
     """Each path's samples (every rank starting together), the host waits and MPI calls of
-    one more call, and the SM clock right after the samples: (samples, counts, clocks in
-    MHz), each by path."""
+    one more call, and the SM clock: right after the samples, and during a third call, from
+    a third of the way through it for a third of its median time (the clock after a row is
+    back near the top while the power cap held the row itself lower: notes/gemm.md,
+    twenty-eighth session). (samples, counts, clocks as (after, during) in MHz), each by
+    path."""
     samples, clocks, calls = {}, {}, {}
     clock = SmClock()
     for path in paths:
         comm.Barrier()
         timer = queued_samples_ms if path in QUEUED else samples_ms
         samples[path] = timer(runs[path], warmup, iters)
-        clocks[path] = clock.mhz()
+        after = clock.mhz()
         comm.Barrier()
         with counting() as counted:
             runs[path]()
         calls[path] = counted
+        comm.Barrier()
+        third_ns = int(float(np.median(samples[path])) * 1e6 / 3)
+        clocks[path] = (after, clock.mhz_during(runs[path], third_ns, third_ns))
     return samples, calls, clocks
 
 

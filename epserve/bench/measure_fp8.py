@@ -154,6 +154,7 @@ def measure_point_fp8(svc, w13, w2, fp8w, topk_all, seed: int, warmup: int, iter
         "layer-library": arithmetic.layer_work(counts, H, I, dedup_dispatch=False),
     }
     results = [PathResult(p, samples[p], work[p], None if wrong[p] is None else comm.allreduce(wrong[p]),
-                          *_busiest_rank(comm, calls[p]), sm_mhz=clocks[p])
+                          *_busiest_rank(comm, calls[p]), sm_mhz=clocks[p][0],
+                          sm_mhz_during=clocks[p][1])
                for p in paths]
     return results, err_vs_bf16

@@ -113,6 +113,7 @@ _COLUMNS = (
     _Column("spread", "(p10-p90 us)", False,
             lambda r: f"{_number(r.timing.p10_ms * 1e3)}-{_number(r.timing.p90_ms * 1e3)}"),
     _Column("TFLOP/s", "(per GPU)", False, lambda r: _or_dash(r.tflop_s, _number)),
+    _Column("SM clock", "(MHz, during)", False, lambda r: _or_dash(r.sm_mhz_during, lambda m: f"{m:.0f}")),
     _Column("SM clock", "(MHz, after)", False, lambda r: _or_dash(r.sm_mhz, lambda m: f"{m:.0f}")),
     _Column("NVLink", "(GB)", False, lambda r: _or_dash(r.nvlink_bytes, lambda b: _number(b / 1e9))),
     _Column("NVLink", "(GB/s)", False, lambda r: _or_dash(r.nvlink_gb_s, _number)),

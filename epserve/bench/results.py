@@ -31,6 +31,7 @@ class Row:
     host_waits: int | None = None     # host waits for the GPU per call (the most of any rank)
     mpi_calls: int | None = None      # MPI calls per call (the most of any rank)
     sm_mhz: float | None = None       # that rank's SM clock right after its timed iterations (bench/clock.py)
+    sm_mhz_during: float | None = None  # ... and during one more call of the path (the clock the row ran at)
 
     @property
     def key(self) -> tuple:
@@ -74,17 +75,18 @@ class Row:
 
 def measured_row(preset: Preset, routing: Routing, path: str, slowest: RankTiming, work: Work,
                  rates: Rates, *, per_rank_ms=None, wrong: int | None = None, host_waits: int | None = None,
-                 mpi_calls: int | None = None, per_rank_mhz=None) -> Row:
+                 mpi_calls: int | None = None, per_rank_mhz=None, per_rank_mhz_during=None) -> Row:
     """The Row of a path that ran: `slowest` from timing.slowest_rank, `work` what the path
     must do (arithmetic.gemm2_combine_work and friends), `rates` measured in this run.
-    per_rank_mhz: each rank's SM clock after its iterations, by rank (None where not read);
-    the row keeps the slowest rank's."""
+    per_rank_mhz, per_rank_mhz_during: each rank's SM clock after its iterations and during
+    one more call, by rank (None where not read); the row keeps the slowest rank's."""
     mhz = None if per_rank_mhz is None else per_rank_mhz[slowest.rank]
+    during = None if per_rank_mhz_during is None else per_rank_mhz_during[slowest.rank]
     return Row(preset=preset, routing=routing, path=path, timing=slowest.timing, rank=slowest.rank,
                per_rank_ms=None if per_rank_ms is None else tuple(tuple(ms) for ms in per_rank_ms),
                flops_per_gpu=work.flops_per_gpu, nvlink_bytes=work.nvlink.busiest,
                floor=work.floor(rates), wrong=wrong, host_waits=host_waits, mpi_calls=mpi_calls,
-               sm_mhz=None if mhz is None else float(mhz))
+               sm_mhz=None if mhz is None else float(mhz), sm_mhz_during=None if during is None else float(during))
 
 
 def with_baselines(rows, unfused_path, library_path=None) -> list[Row]:
@@ -132,6 +134,7 @@ def row_to_dict(row: Row) -> dict:
         "host_waits": row.host_waits,
         "mpi_calls": row.mpi_calls,
         "sm_mhz": row.sm_mhz,
+        "sm_mhz_during": row.sm_mhz_during,
         "derived": {
             "tflop_s_per_gpu": row.tflop_s,
             "nvlink_gb_s": row.nvlink_gb_s,
@@ -160,4 +163,5 @@ def row_from_dict(d: dict) -> Row:
         host_waits=d.get("host_waits"),  # absent from files written before they were counted
         mpi_calls=d.get("mpi_calls"),
         sm_mhz=d.get("sm_mhz"),  # absent from files written before the clock was read
+        sm_mhz_during=d.get("sm_mhz_during"),
     )

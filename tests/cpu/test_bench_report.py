@@ -25,10 +25,11 @@ def synthetic_rows():
                 {"unfused": [3.2, 3.3, 3.4], "fused": [1.0, 1.1, 1.2]}]
     slowest = slowest_rank(per_rank)
     clocks = {"unfused": [1410.4, 1395.0], "fused": [1502.6, None]}  # by rank; rank 1 read no clock for fused
+    during = {"unfused": [1301.0, 1288.5], "fused": [1350.2, None]}
     rows = [measured_row(PRESET, routing, path, slowest[path], work, RATES,
                          per_rank_ms=[r[path] for r in per_rank], wrong=0 if path == "fused" else None,
                          host_waits=0 if path == "fused" else 1, mpi_calls=0 if path == "fused" else 2,
-                         per_rank_mhz=clocks[path])
+                         per_rank_mhz=clocks[path], per_rank_mhz_during=during[path])
             for path in ("unfused", "fused")]
     rows.append(Row(PRESET, routing, "deepep"))  # not installed here: n/a
     return with_baselines(rows, unfused_path="unfused", library_path="deepep"), work
@@ -50,6 +51,7 @@ def test_rows_from_measurements():
     assert deepep.timing is None and deepep.speedup_vs_unfused is None and deepep.x_floor is None
     # each row keeps the clock of the rank it reports
     assert unfused.sm_mhz == 1395.0 and fused.sm_mhz == 1502.6 and deepep.sm_mhz is None
+    assert unfused.sm_mhz_during == 1288.5 and fused.sm_mhz_during == 1350.2 and deepep.sm_mhz_during is None
 
 
 def test_each_family_of_paths_compares_with_its_own_baselines():
@@ -84,7 +86,7 @@ def test_table_layout():
     for column in ("preset", "routing", "tokens/rank", "path", "time", "spread", "TFLOP/s", "SM clock",
                    "NVLink", "floor", "x floor", "speed-up", "host", "MPI", "#wrong"):
         assert column in names
-    for unit in ("(us, median)", "(p10-p90 us)", "(MHz, after)", "(GB)", "(GB/s)", "(us)", "(vs unfused)",
+    for unit in ("(us, median)", "(p10-p90 us)", "(MHz, during)", "(MHz, after)", "(GB)", "(GB/s)", "(us)", "(vs unfused)",
                  "(vs library)", "(waits/call)", "(calls/call)"):
         assert unit in units
     assert names.endswith("#wrong")
@@ -95,10 +97,10 @@ def test_table_layout():
     assert fused[3:6] == ["fused", "1500", "1420-1580"]       # us; p10-p90 of 1.4, 1.5, 1.6 ms
     assert fused[-5:] == ["2.20", "-", "0", "0", "0"]         # vs unfused, vs library, host waits, MPI, #wrong
     assert unfused[-3:] == ["1", "2", "-"]                    # counted waits and MPI calls; no #wrong reference
-    assert fused[7] == "1503" and unfused[7] == "1395"  # the reported rank's SM clock, MHz
-    assert fused[8] == f"{work.nvlink.busiest / 1e9:#.4g}"
+    assert fused[7:9] == ["1350", "1503"] and unfused[7:9] == ["1288", "1395"]  # the reported rank's clock, MHz
+    assert fused[9] == f"{work.nvlink.busiest / 1e9:#.4g}"
     assert deepep[:4] == ["dsv3-prefill/scaled", "balanced", "64", "deepep"]
-    assert deepep[4:] == ["n/a"] * 13
+    assert deepep[4:] == ["n/a"] * 14
 
     # Right-aligned numbers: every line's #wrong cell ends where the header's does.
     assert {len(line) for line in [names] + data} == {len(names)}
@@ -158,7 +160,7 @@ def test_json_round_trip(tmp_path):
     assert fused["timing"]["samples_ms"] == [1.5, 1.4, 1.6]
     assert fused["per_rank_ms"] == [[1.5, 1.4, 1.6], [1.0, 1.1, 1.2]]
     assert fused["derived"]["speedup_vs_unfused"] == pytest.approx(2.2)
-    assert fused["sm_mhz"] == 1502.6
+    assert fused["sm_mhz"] == 1502.6 and fused["sm_mhz_during"] == 1350.2
     assert fused["floor"]["binding"] in ar.BINDING_TERMS
     assert document["info"]["limits"] == {"gemm_flop_s": 400e12, "copy_bytes_s": 3.5e12, "peer_bytes_s": 350e9}
 

@@ -81,12 +81,15 @@ def test_the_clocks_are_given_where_the_run_read_them(document):
     for r in document["rows"]:
         if r["preset"]["name"] == "dsv3-prefill-fp8" and r["path"] in ("gemm1", "gemm2"):
             r["sm_mhz"] = {"gemm1": 1290.4, "gemm2": 1350.0}[r["path"]]
+            if r["path"] == "gemm1":  # the clock during the row: read by runs since the twenty-ninth session
+                r["sm_mhz_during"] = 1201.6
     document["info"]["fp8_dense"] = {"cuBLASLt": {"tflop_s": 1127.0, "sm_mhz": [1440.0, 1425.0]}}
     run = run_from(document)
     assert verdicts(run)["GEMM 1 (FP8, SwiGLU, quantize)"].sm_mhz == 1290.4
-    assert targets.lines(run)[-1] == ("# SM clock right after each row's timing: GEMM 1 (FP8, SwiGLU, quantize) "
-                                      "1290 MHz; GEMM 2 (FP8) 1350 MHz; the dense FP8 GEMM limit: cuBLASLt "
-                                      "1127.0 TFLOP/s at 1440/1425 MHz")
+    assert targets.lines(run)[-1] == ("# SM clock during one more call of each row's path and right after its "
+                                      "timing: GEMM 1 (FP8, SwiGLU, quantize) 1202 MHz during, 1290 MHz after; "
+                                      "GEMM 2 (FP8) 1350 MHz after; the dense FP8 GEMM limit (clock after): "
+                                      "cuBLASLt 1127.0 TFLOP/s at 1440/1425 MHz")
 
 
 def test_the_command(tmp_path, capsys, document):
