@@ -108,7 +108,9 @@
 //   promotion; a stage is freed after its k-block's wait, as before. Sum (64) and two parts
 //   (64 each) fit where the 128 x 256 tile's sum (128) and one part do. Same bits: the same
 //   wgmmas into a fresh part, the same promotion fma, k-blocks promoted in the same order;
-//   only the time at which each is issued moves.
+//   only the time at which each is issued moves. On today's shipped builds (KNOBS split+ovl,
+//   split+ahead+ovl) still 1-6% slower, dense problems without split tails included: the
+//   whole-tile loop's code changes with it (twenty-ninth session).
 // - EPSERVE_GEMM_FP8_L2_SIDES=1 (shipped): tiles handed out by L2 side. Hopper's L2 is two partitions
 //   joined by a fabric; an SM reads through its near one, and lines homed in the far one
 //   cross the fabric, once for each side whose SMs read them. An expert's weight tiles are
@@ -198,14 +200,17 @@
 //   same order; only when a thread waits and arrives moves. Not with the overlapped loop or
 //   the tile in the ring. =1 measured slower (GEMM 2 +2.6-9%, GEMM 1 +1.3%, twenty-eighth
 //   session: a stage freed later reaches the producer later, and GEMM 2's split tails ran
-//   their k-blocks 30% slower); =2 moves the full wait alone, the release stays where it was.
+//   their k-blocks 30% slower); =2 moves the full wait alone, the release stays where it was
+//   (also slower: GEMM 2 +1.1-4.4%, GEMM 1 +0.4-6.2%, twenty-ninth session).
 // - EPSERVE_GEMM_FP8_REGISTER_A=1: on whole 256-wide tiles each consumer reads its k-block's
 //   A rows from the stage into registers once (four ldmatrix.x4, 16 registers) and both
 //   128-column halves' wgmmas take A from them (the RS form, common/wgmma_fp8.cuh), where the
 //   default's wgmmas read A from shared memory, once per half: shared-memory reads for the
 //   MMA fall from 48 to 40 KB a warpgroup and k-block. Under the power limit, which holds
 //   these GEMMs (notes/gemm.md), bytes not moved are energy not spent. Same bits if the
-//   fragment is right: the same products of the same e4m3 values in the same wgmma.
+//   fragment is right: the same products of the same e4m3 values in the same wgmma (the knob
+//   test's bits hold). Measured slower: GEMM 2 +2.5-5.8%, GEMM 1 +4.5-9.7% (twenty-ninth
+//   session; the RS wgmma issues slower, 1277 against 1121 cycles a k-block in the probe).
 // Diagnostic build: EPSERVE_GEMM_FP8_TRACE=1 stamps %clock64 at points of each tile into
 // epserve_gemm_trace (below); launch/jobs/trace_gemm_fp8.py reads them.
 // Diagnostic build: EPSERVE_GEMM_FP8_SMEM_PAD=B asks for B more bytes of shared memory, never
