@@ -241,8 +241,8 @@ QUEUED = ("dispatch-layer",)
 
 def time_paths(comm, runs, paths, warmup: int, iters: int) -> tuple[dict, dict, dict]:
     """Each path's samples (every rank starting together), the host waits and MPI calls of
-    one more call, and the SM clock: right after the samples, and during a third call, from
-    a third of the way through it for a third of its median time (the clock after a row is
+    one more call, and the SM clock: right after the samples, and during a call after that,
+    from a third of the way through it for a third of its median time (the clock after a row is
     back near the top while the power cap held the row itself lower: notes/gemm.md,
     twenty-eighth session). (samples, counts, clocks as (after, during) in MHz), each by
     path."""
