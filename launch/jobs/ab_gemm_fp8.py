@@ -15,11 +15,12 @@ over 128 experts; outputs poisoned, #wrong against the shipped build):
 
 That job times builds in long blocks, at the power limit a serving layer runs them at; this one
 times them as the bench does (epserve.bench.events.samples_ms after 0.25 s idle: 3 calls, then
-10 with a wait after each, the median; the SM clock read right after, epserve.bench.clock), the
-builds alternated over the rounds (A B .. B A). The bench's rows run near the top clock, so a
-gain here need not survive a sustained run, and the other way round (notes/gemm.md,
-twenty-second and twenty-third sessions). Rows differ by 2-5% from machine to machine: compare
-within a run.
+10 with a wait after each, the median; the SM clock read during one more call and right after,
+epserve.bench.clock), the builds alternated over the rounds (A B .. B A). The power cap holds
+even these short rows (1.3-1.6 GHz during them, ~1.98 GHz right after: notes/gemm.md,
+twenty-eighth and twenty-ninth sessions), but less deep than a sustained run's, so a gain here
+need not survive one, and the other way round. Rows differ by 2-5% from machine to machine:
+compare within a run.
 """
 
 from __future__ import annotations
