@@ -69,6 +69,12 @@ class SmClock:
         self.window_ns = tuple(int(t) for t in self._window.get())
         return float(self._mhz.get()[0])
 
+    def mhz_during_call(self, fn, call_ms: float) -> float:
+        """mhz_during over the middle third of a call of fn that takes about call_ms: past the
+        clock fn starts at, well before it ends."""
+        third_ns = int(call_ms * 1e6 / 3)
+        return self.mhz_during(fn, third_ns, third_ns)
+
     def mhz(self) -> float:
         """The clock now: queued on the current stream (after whatever is queued there), then
         waited for."""

@@ -258,8 +258,7 @@ def time_paths(comm, runs, paths, warmup: int, iters: int) -> tuple[dict, dict, 
             runs[path]()
         calls[path] = counted
         comm.Barrier()
-        third_ns = int(float(np.median(samples[path])) * 1e6 / 3)
-        clocks[path] = (after, clock.mhz_during(runs[path], third_ns, third_ns))
+        clocks[path] = (after, clock.mhz_during_call(runs[path], float(np.median(samples[path]))))
     return samples, calls, clocks
 
 

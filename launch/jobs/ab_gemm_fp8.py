@@ -115,8 +115,7 @@ def bench_row(fn, clock) -> tuple[float, float, float]:
     time.sleep(0.25)
     ms = float(np.median(samples_ms(fn, 3, 10)))
     after = clock.mhz()
-    third_ns = int(ms * 1e6 / 3)
-    return ms, after, clock.mhz_during(fn, third_ns, third_ns)
+    return ms, after, clock.mhz_during_call(fn, ms)
 
 
 def main():
