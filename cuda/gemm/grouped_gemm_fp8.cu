@@ -211,6 +211,13 @@
 //   fragment is right: the same products of the same e4m3 values in the same wgmma (the knob
 //   test's bits hold). Measured slower: GEMM 2 +2.5-5.8%, GEMM 1 +4.5-9.7% (twenty-ninth
 //   session; the RS wgmma issues slower, 1277 against 1121 cycles a k-block in the probe).
+// - EPSERVE_GEMM_FP8_B_KBLOCK_MAJOR=1: B is read from a copy of the weights laid out k-block
+//   major, [E, K / 128, b_rows, 128] (epserve.ffn.gemm_fp8.kblock_major), so each TMA box of B
+//   (b_box rows x 128 bytes) is one contiguous run of memory instead of 128 bytes from each of
+//   b_box rows K bytes apart. Every weight byte comes from HBM once per GEMM; read as whole
+//   DRAM pages instead of one 128-byte piece a page, the same bytes may cost less energy, and
+//   these GEMMs run at the part's power limit (notes/gemm.md, thirtieth session). Same bits:
+//   the same box lands in shared memory with the same swizzle.
 // Diagnostic build: EPSERVE_GEMM_FP8_TRACE=1 stamps %clock64 at points of each tile into
 // epserve_gemm_trace (below); launch/jobs/trace_gemm_fp8.py reads them.
 // Diagnostic build: EPSERVE_GEMM_FP8_SMEM_PAD=B asks for B more bytes of shared memory, never
@@ -281,6 +288,9 @@
 #endif
 #ifndef EPSERVE_GEMM_FP8_REGISTER_A
 #define EPSERVE_GEMM_FP8_REGISTER_A 0
+#endif
+#ifndef EPSERVE_GEMM_FP8_B_KBLOCK_MAJOR
+#define EPSERVE_GEMM_FP8_B_KBLOCK_MAJOR 0
 #endif
 
 namespace {
@@ -389,6 +399,8 @@ static_assert(!kHideHandshake || (!kOverlap && !kTileInRing),
               "EPSERVE_GEMM_FP8_HIDE_HANDSHAKE: not with the overlapped loop or the tile in the ring");
 // EPSERVE_GEMM_FP8_REGISTER_A: whole tiles' wgmmas take A from registers (top of the file).
 constexpr bool kRegisterA = EPSERVE_GEMM_FP8_REGISTER_A != 0;
+// EPSERVE_GEMM_FP8_B_KBLOCK_MAJOR: B from the k-block-major copy of the weights (top of the file).
+constexpr bool kBKblockMajor = EPSERVE_GEMM_FP8_B_KBLOCK_MAJOR != 0;
 static_assert(!kOverlap || kBN == 128 || EPSERVE_GEMM_FP8_SPLIT_TAILS, "EPSERVE_GEMM_FP8_OVERLAP acts on tiles a "
               "warpgroup computes one half of: build it with EPSERVE_GEMM_FP8_BN=128 or EPSERVE_GEMM_FP8_SPLIT_TAILS=1");
 // Named barriers of the split tails' GEMM 1 epilogue (0 is __syncthreads; 2 and 3 are the
@@ -588,6 +600,7 @@ extern "C" __constant__ int epserve_gemm_threads = kThreads;
 extern "C" __constant__ int epserve_gemm_stages = kStages;
 extern "C" __constant__ int epserve_gemm_b_box_rows = kSwiGLU ? kBN / 2 : kBN;  // the rows of B's TMA box
 extern "C" __constant__ int epserve_gemm_scale_box_cols = kScaleBox;  // the columns (floats) of A's scale box
+extern "C" __constant__ int epserve_gemm_b_kblock_major = kBKblockMajor;  // map_b over [E * K / 128 * b_rows, 128]
 
 // map_a: A [M, K] e4m3 in 64-row x 128-byte boxes; map_sa: A's scales [K / 128, >= M] fp32
 // in 1 x epserve_gemm_scale_box_cols boxes; map_b: B [E * b_rows, K] e4m3 in boxes of
@@ -809,7 +822,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         ++seq;
         if constexpr (kPublishTile && !kTakeAhead) prefetch_b_scales(t);
         const int a_boxes = t.rows > 64 ? 2 : 1;  // a tail of at most 64 rows loads (and computes) one half
-        const int b_row = t.expert * b_rows + t.n_abs;
+        // kBKblockMajor: k-block kt of expert e's rows is the [b_rows, 128] block e * k_blocks + kt
+        const int b_row = (kBKblockMajor ? t.expert * k_blocks : t.expert) * b_rows + t.n_abs;
         const TensorMap* a_map = &map_a;
         // One k-block's stage: wait until it is free, then its loads (with the tile in its
         // first stage).
@@ -837,12 +851,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           stage_load<kLoadScales>("A scales", ring_sa + stage * (kSaStride / 4), &map_sa, &full[stage],
                                   scale_box_col(t.m_abs), kt, 4, 128, kScaleBoxBytes, index);
           unsigned char* b = ring_b + stage * kBStride;
+          const int bx = kBKblockMajor ? 0 : kt * kBK, by = kBKblockMajor ? b_row + kt * b_rows : b_row;
           if constexpr (kSwiGLU) {  // gate rows, then the matching up rows
-            stage_load<kLoadB>("B gate", b, &map_b, &full[stage], kt * kBK, b_row, 1, 1024, kStageB / 2, index);
-            stage_load<kLoadB>("B up", b + kStageB / 2, &map_b, &full[stage], kt * kBK, b_row + N, 1, 1024,
-                               kStageB / 2, index);
+            stage_load<kLoadB>("B gate", b, &map_b, &full[stage], bx, by, 1, 1024, kStageB / 2, index);
+            stage_load<kLoadB>("B up", b + kStageB / 2, &map_b, &full[stage], bx, by + N, 1, 1024, kStageB / 2,
+                               index);
           } else {
-            stage_load<kLoadB>("B", b, &map_b, &full[stage], kt * kBK, b_row, 1, 1024, kStageB, index);
+            stage_load<kLoadB>("B", b, &map_b, &full[stage], bx, by, 1, 1024, kStageB, index);
           }
           if (++stage == kStages) {
             stage = 0;

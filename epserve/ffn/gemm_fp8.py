@@ -107,6 +107,12 @@ KNOBS: dict[str, dict[str, int]] = {
     # their MMA time, its two warpgroups in lockstep (twenty-ninth session)
     "split+ovl": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_OVERLAP": 1},
     "split+ahead+ovl": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1, "EPSERVE_GEMM_FP8_OVERLAP": 1},
+    # the shipped builds reading B from a k-block-major copy of the weights: each TMA box of B
+    # one contiguous run of memory (thirtieth session; "split+bkm" is GEMM 1's, "split+ahead+bkm"
+    # GEMM 2's)
+    "split+bkm": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_B_KBLOCK_MAJOR": 1},
+    "split+ahead+bkm": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1,
+                        "EPSERVE_GEMM_FP8_B_KBLOCK_MAJOR": 1},
 }
 SHIPPED = {"gemm_fp8_null": "split+ahead", "gemm_fp8_peer": "split+ahead", "gemm1_fp8_swiglu": "split"}
 
@@ -114,10 +120,12 @@ SHIPPED = {"gemm_fp8_null": "split+ahead", "gemm_fp8_peer": "split+ahead", "gemm
 def knob_applies(base: str, knob: str) -> bool:
     """Whether KNOBS[knob] builds with variant `base` (the 128-wide tile is GEMM 2's, the
     writer warps' SwiGLU GEMM 1's, the tile in the ring GEMM 2's; stmatrix writes a bf16 tile,
-    which GEMM 1 has with wswiglu only)."""
+    which GEMM 1 has with wswiglu only; bkm is built on each GEMM's shipped build: GEMM 2's
+    without the take-ahead spills 8 bytes)."""
     if base.startswith("gemm1"):
-        return "n128" not in knob and "ring" not in knob and ("stsm" not in knob or "wswiglu" in knob)
-    return "wswiglu" not in knob
+        return ("n128" not in knob and "ring" not in knob and ("stsm" not in knob or "wswiglu" in knob)
+                and not ("bkm" in knob and "ahead" in knob))
+    return "wswiglu" not in knob and not ("bkm" in knob and "ahead" not in knob)
 
 
 def build_variant(base: str) -> str:
@@ -203,10 +211,13 @@ def _specs(variant: str, a, a_scales, b, b_scales, b_rows: int, C, c_scales, exp
     # A may be a view of wider rows (the FP8 dispatch's packed rows: values, then scales).
     assert a.strides[1] == 1 and a.strides[0] >= K and a.strides[0] % 16 == 0, a.strides
     device = cupy.cuda.runtime.getDevice()
-    fn, smem, threads, grid, b_box, sa_box = _kernel(variant, device)
+    fn, smem, threads, grid, b_box, sa_box, b_kblock_major = _kernel(variant, device)
     map_a = _fp8_map(a.data.ptr, M, K, 64, a.strides[0])
     map_sa = _scales_map(a_scales.data.ptr, K // BLOCK, M, a_scales.shape[1], sa_box)
-    map_b = _fp8_map(b.data.ptr, b_rows, K, b_box)
+    if b_kblock_major:  # a diagnostic build (EPSERVE_GEMM_FP8_B_KBLOCK_MAJOR): B from a k-block-major copy
+        map_b = _fp8_map(kblock_major(b).data.ptr, b_rows * (K // BLOCK), BLOCK, b_box)
+    else:
+        map_b = _fp8_map(b.data.ptr, b_rows, K, b_box)
     counter = _tile_counter(device, cupy.cuda.get_current_stream().ptr)
     c_ld = _i64(0 if c_scales is None else c_scales.shape[1])
     args = (map_a, map_sa, map_b, b_scales, NULL if C is None else C, NULL if c_scales is None else c_scales, c_ld,
@@ -225,7 +236,26 @@ def _kernel(variant: str, device: int):
     sa_box = module_int(mod, "epserve_gemm_scale_box_cols")
     if module_int(mod, "epserve_gemm_l2_sides"):  # its CTAs take tiles by L2 side: give it the sides
         l2_sides.write_table(mod, device)
-    return fn, smem, (threads,), (sm_count(device),), b_box, sa_box
+    b_kblock_major = bool(module_int(mod, "epserve_gemm_b_kblock_major"))
+    return fn, smem, (threads,), (sm_count(device),), b_box, sa_box, b_kblock_major
+
+
+_KBLOCK_MAJOR: dict = {}  # id(b) -> (b, its copy): b is held, so its memory cannot be reused under the key
+
+
+def kblock_major(b):
+    """B [E, rows, K] e4m3 as [E, K / 128, rows, 128]: each TMA box of B one contiguous run (the
+    EPSERVE_GEMM_FP8_B_KBLOCK_MAJOR diagnostic build reads its weights so). Made once per array,
+    on the current stream, and kept with the array (a measurement's weights: at most two
+    arrays are kept, the oldest dropped)."""
+    key = id(b)
+    if key not in _KBLOCK_MAJOR:
+        while len(_KBLOCK_MAJOR) >= 2:
+            _KBLOCK_MAJOR.pop(next(iter(_KBLOCK_MAJOR)))
+        E, rows, K = b.shape[0], b.size // (b.shape[0] * b.shape[-1]), b.shape[-1]
+        copy = cupy.ascontiguousarray(b.reshape(E, rows, K // BLOCK, BLOCK).transpose(0, 2, 1, 3))
+        _KBLOCK_MAJOR[key] = (b, copy)
+    return _KBLOCK_MAJOR[key][1]
 
 
 @functools.lru_cache(maxsize=256)

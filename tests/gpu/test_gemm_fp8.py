@@ -357,7 +357,8 @@ FP8_KNOB_BUILDS = [("2", "plain"), ("2", "split"), ("2", "split-unzeroed"), ("2"
                    ("2", "split+ahead+hide"), ("1", "split+ahead+hide"), ("2", "split+hidewait"),
                    ("1", "split+hidewait"), ("2", "split+ahead+hidewait"), ("1", "split+ahead+hidewait"),
                    ("2", "split+rega"), ("1", "split+rega"), ("2", "split+ahead+rega"), ("1", "split+ahead+rega"),
-                   ("2", "split+ovl"), ("1", "split+ovl"), ("2", "split+ahead+ovl"), ("1", "split+ahead+ovl")]
+                   ("2", "split+ovl"), ("1", "split+ovl"), ("2", "split+ahead+ovl"), ("1", "split+ahead+ovl"),
+                   ("1", "split+bkm"), ("2", "split+ahead+bkm")]
 
 
 @pytest.mark.parametrize("gemm,knob", FP8_KNOB_BUILDS)
@@ -383,7 +384,8 @@ def test_fp8_build_knobs_give_the_same_bits(knob, gemm, rows, K, monkeypatch):
     output tile written by stmatrix; ring (GEMM 2): the tile's first 80 rows in the stage of
     its last k-block, freed by the writer warps once read; hide: each k-block waits for the next
 one's stage and frees the last one's while its wgmmas run (hidewait: the wait alone); rega: whole tiles' A rows read into registers once a k-block, both
-halves' wgmmas taking A from them; ovl: overlap on the shipped builds. The rows hold tails of 1 .. 64 rows (split) and
+halves' wgmmas taking A from them; ovl: overlap on the shipped builds; bkm: B read from a k-block-major
+copy of the weights. The rows hold tails of 1 .. 64 rows (split) and
     65 .. 127 (not), whole tiles, empty experts, and more tiles than SMs (a CTA meets split
     and unsplit tiles in turn); K from 1 to 5 k-blocks (the overlapped loop's two-a-pass body
     and both of its endings); GEMM 2's N = 384 leaves its last 256-wide column tile without a
