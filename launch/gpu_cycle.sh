@@ -78,11 +78,11 @@ for s in "$@"; do
         # twenty-third session): GEMM_AB_KNOBS picks the builds beside the shipped one
         # (epserve.ffn.gemm_fp8.KNOBS, space-separated).
         gemm-ab) stage gemm-ab "^#|^problem|^gemm|^dense" env PYTHONPATH=. python3 launch/jobs/ab_gemm_fp8.py \
-                     --knobs ${GEMM_AB_KNOBS:-split split+firstfma split+mbox} \
+                     --knobs ${GEMM_AB_KNOBS:-split split-unpublished} \
                      --problems gemm2 gemm1 dense2048 --rounds 5
                  stage gemm-trace "^##|wait|k-loop|k-block|hand-over|producer" env PYTHONPATH=. \
                      python3 launch/jobs/trace_gemm_fp8.py --problems dense2048 gemm2 gemm1 \
-                     --on split split+ahead+firstfma ;;
+                     --on split split+ahead ;;
         fuzz)  stage fuzz "^# fuzz|^FAIL" make fuzz COUNT=500 ;;
         soak)  stage soak "^# soak" make soak CALLS=1000 ;;
         sanitize) stage sanitize "^== |SUMMARY" make sanitize ;;

@@ -37,14 +37,6 @@ __device__ __forceinline__ uint4 ld_shared_v4(const void* p) {
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
   return v;
 }
-// Four 8 x 8 b16 matrices to shared memory in one instruction: lane t holds row t / 4, columns
-// 2 (t % 4) and + 1 of each (r0 .. r3, one matrix each), and lanes 8i .. 8i + 7 give the
-// addresses of matrix i's eight 16-byte rows.
-__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
-               "r"(r2), "r"(r3)
-               : "memory");
-}
 // Plain (weak) 16-byte store through a generic pointer: local memory or a peer's IPC mapping.
 __device__ __forceinline__ void st_v4(void* p, uint4 v) {
   asm volatile("st.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
@@ -128,10 +120,6 @@ __device__ __forceinline__ void fence_mbarrier_init() {
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t phase) { EPSERVE_MBARRIER_WAIT(""); }
 __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-// `count` arrivals at once (one thread speaking for others it has synchronized with).
-__device__ __forceinline__ void mbarrier_arrive_count(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
 }
 __device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");

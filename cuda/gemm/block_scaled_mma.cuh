@@ -21,8 +21,8 @@ constexpr int kFp8BlockK = 128;  // k-block of the scales: one 128-byte row of a
 // of one stage, in two steps: k_block_mma_issue issues the four wgmmas as one group;
 // k_block_wait<n> returns when at most n groups are pending, and fences `part` (the group
 // that wrote it must be the older one). A caller that keeps one k-block's wgmmas in flight
-// while it promotes the previous one (EPSERVE_GEMM_FP8_OVERLAP) calls them apart, with the
-// same bracket and waits on every path (ptxas serializes every wgmma of a kernel where a
+// while it promotes the previous one (an overlapped loop, as the GEMM once had: notes/gemm.md)
+// calls them apart, with the same bracket and waits on every path (ptxas serializes every wgmma of a kernel where a
 // wait sits on a path of its own, or a bracket straddles a branch).
 // The operands can also be given as their descriptors' low words (common/ptx.cuh,
 // smem_desc_sw128_lo): a k32 step is 32 bytes further, 2 more.
@@ -42,7 +42,8 @@ __device__ __forceinline__ void k_block_mma_issue(float (&part)[64], const unsig
 // rows of a warpgroup's 64-row A block (a_rows: its first row in a 128-byte swizzled stage,
 // 1024-byte aligned) for the four k32 steps of a k-block, by one ldmatrix.x4 a step;
 // k_block_mma_issue_rs then issues the four wgmmas from them, and a k-block's two halves share
-// one load.
+// one load. (The consumer-loop probe's level 10; the GEMM's build of it was measured slower and
+// taken out, notes/gemm.md.)
 __device__ __forceinline__ void load_a_k_block(uint32_t (&a)[16], const unsigned char* a_rows, int warp, int lane) {
   const int r = warp * 16 + lane % 16;
 #pragma unroll
@@ -82,18 +83,15 @@ __device__ __forceinline__ void k_block_mma(float (&part)[64], Operand a, Operan
 
 // sum[kOffset + i] += part[i] * scale of part[i]'s row: s_lo for this thread's row
 // (part[4j], part[4j+1]), s_hi for the row 8 below (part[4j+2], part[4j+3]). One rounded
-// fma per value, written out so every build (fused SwiGLU or not) rounds alike. kFirst: the
-// tile's first k-block, whose sums start at +0: the fma adds the constant +0 instead of the
-// registers (the same rounding and the same bits, fma(p, s, +0) is +0 where p * s is -0, as
-// with zeroed sums), so the sums need no zeroing first.
-template <int kOffset, bool kFirst = false>
+// fma per value, written out so every build (fused SwiGLU or not) rounds alike.
+template <int kOffset>
 __device__ __forceinline__ void promote(float (&sum)[128], const float (&part)[64], float s_lo, float s_hi) {
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
-    sum[kOffset + 4 * j] = __fmaf_rn(part[4 * j], s_lo, kFirst ? 0.f : sum[kOffset + 4 * j]);
-    sum[kOffset + 4 * j + 1] = __fmaf_rn(part[4 * j + 1], s_lo, kFirst ? 0.f : sum[kOffset + 4 * j + 1]);
-    sum[kOffset + 4 * j + 2] = __fmaf_rn(part[4 * j + 2], s_hi, kFirst ? 0.f : sum[kOffset + 4 * j + 2]);
-    sum[kOffset + 4 * j + 3] = __fmaf_rn(part[4 * j + 3], s_hi, kFirst ? 0.f : sum[kOffset + 4 * j + 3]);
+    sum[kOffset + 4 * j] = __fmaf_rn(part[4 * j], s_lo, sum[kOffset + 4 * j]);
+    sum[kOffset + 4 * j + 1] = __fmaf_rn(part[4 * j + 1], s_lo, sum[kOffset + 4 * j + 1]);
+    sum[kOffset + 4 * j + 2] = __fmaf_rn(part[4 * j + 2], s_hi, sum[kOffset + 4 * j + 2]);
+    sum[kOffset + 4 * j + 3] = __fmaf_rn(part[4 * j + 3], s_hi, sum[kOffset + 4 * j + 3]);
   }
 }
 

@@ -26,28 +26,19 @@ struct GroupedTile {
   int rows;   // real rows in the tile: min(kBM, m_end - m_abs), at least 1
 };
 
-// kSmemOffsets: init also copies expert_offsets into shared memory (smem_offsets, [E+1]) and
-// tile() reads them there, so decoding a tile makes no global load (on the H200 an L2 round
-// trip of ~1200 cycles at the top clock, on the path into every tile: notes/gemm.md,
-// twenty-third session).
-template <int kBM, int kBN, int kGroupN = 4, bool kSmemOffsets = false>
+template <int kBM, int kBN, int kGroupN = 4>
 struct GroupedTileScheduler {
-  const int* expert_offsets;  // global [E+1], or with kSmemOffsets shared [E+1]
+  const int* expert_offsets;  // global [E+1]
   int* mtile_prefix;          // shared [E+1]: m-tiles of the experts before e
   int num_experts;
   int n_tiles;
   int total_tiles;
 
   // Every thread of the block calls it; contains one __syncthreads. Warp 0 scans the
-  // per-expert tile counts, 32 experts at a time. smem_offsets: [E+1] ints of shared memory
-  // with kSmemOffsets, else unused.
-  __device__ void init(const int* offsets, int experts, int N, int* smem_prefix, int* smem_offsets = nullptr) {
+  // per-expert tile counts, 32 experts at a time.
+  __device__ void init(const int* offsets, int experts, int N, int* smem_prefix) {
     expert_offsets = offsets;
     mtile_prefix = smem_prefix;
-    if constexpr (kSmemOffsets) {
-      for (int e = threadIdx.x; e <= experts; e += blockDim.x) smem_offsets[e] = __ldg(offsets + e);
-      expert_offsets = smem_offsets;  // read after the __syncthreads below
-    }
     num_experts = experts;
     n_tiles = (N + kBN - 1) / kBN;
     if (threadIdx.x < 32) {
@@ -71,7 +62,7 @@ struct GroupedTileScheduler {
     total_tiles = mtile_prefix[experts] * n_tiles;
   }
 
-  __device__ int offset(int e) const { return kSmemOffsets ? expert_offsets[e] : __ldg(expert_offsets + e); }
+  __device__ int offset(int e) const { return __ldg(expert_offsets + e); }
 
   __device__ GroupedTile tile(int index) const {
     const int mt = index / n_tiles;  // an m-tile of the tile's expert (not the tile's own)

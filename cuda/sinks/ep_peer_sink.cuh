@@ -11,7 +11,6 @@
 #include "sinks/row_scatter.cuh"
 #include "sinks/smem_tile.cuh"
 #include "sinks/tile_mailbox.cuh"
-#include "sinks/tile_mailbox_mbarrier.cuh"
 
 struct EpPeerSink {
   static constexpr bool kEnabled = true;
@@ -43,29 +42,12 @@ struct EpPeerSink {
     Mailbox<kOutputThreads>::drain();
   }
 
-  // Send warps: scatter every tile handed over until `done`. kMbarrierMailbox: handed over
-  // through sinks/tile_mailbox_mbarrier.cuh's mailbox (the FP8 GEMM's knob of that name).
-  template <int kOutputThreads, int kMbarrierMailbox = 0>
+  // Send warps: scatter every tile handed over until `done`.
+  template <int kOutputThreads>
   __device__ static void service(const SmemTile& tile, const SendMailbox* box, const PeerSendConfig& cfg, int send_tid) {
-    auto scatter = [&](const SendMailbox& m) {
+    Mailbox<kOutputThreads>::serve(box, [&](const SendMailbox& m) {
       epserve::scatter_rows_to_peers<kSendThreads, 128, kSendBarrier>(tile.data, tile.ld, m.rows, m.cols, m.m_abs,
                                                                       m.n_abs, cfg, send_tid);
-    };
-    if constexpr (kMbarrierMailbox) TileMailboxMbarrier<kOutputThreads, kSendThreads>::serve(box, scatter);
-    else Mailbox<kOutputThreads>::serve(box, scatter);
-  }
-
-  // Send warps, for a kernel whose tiles lie in two places (the FP8 GEMM's
-  // EPSERVE_GEMM_FP8_TILE_IN_RING): rows [0, split) at first_rows(), which changes from tile to
-  // tile, rows from `split` on at rest (indexed from the tile's first row), `ld` elements
-  // apart in both. done_first(send_tid) runs once every send thread has read the first rows.
-  template <int kOutputThreads, class FirstRows, class DoneFirst>
-  __device__ static void service_split(FirstRows&& first_rows, const bf16_t* rest, int ld, int split,
-                                       DoneFirst&& done_first, const SendMailbox* box, const PeerSendConfig& cfg,
-                                       int send_tid) {
-    Mailbox<kOutputThreads>::serve(box, [&](const SendMailbox& m) {
-      epserve::scatter_rows_to_peers<kSendThreads, 128, kSendBarrier, true>(
-          first_rows(), ld, m.rows, m.cols, m.m_abs, m.n_abs, cfg, send_tid, rest, split, done_first);
     });
   }
 

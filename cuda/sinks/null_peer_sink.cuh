@@ -17,11 +17,8 @@ struct NullPeerSink {
   __device__ static void hand_over(SendMailbox*, const SmemTile&, int, int, int) {}
   template <int kOutputThreads>
   __device__ static void drain() {}
-  template <int kOutputThreads, int kMbarrierMailbox = 0>
+  template <int kOutputThreads>
   __device__ static void service(const SmemTile&, const SendMailbox*, const PeerSendConfig&, int) {}
-  template <int kOutputThreads, class FirstRows, class DoneFirst>
-  __device__ static void service_split(FirstRows&&, const bf16_t*, int, int, DoneFirst&&, const SendMailbox*,
-                                       const PeerSendConfig&, int) {}
   template <int kOutputThreads>
   __device__ static void shutdown(SendMailbox*, bool, int) {}
 };

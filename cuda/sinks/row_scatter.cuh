@@ -69,16 +69,9 @@ __device__ __forceinline__ void plan_rows_to_peers(int rows, int m0, int col0, c
 // all, and which sender is late if it has not. A home on another node gets it at the same slot
 // of its copy of recv in the combine staging (off_recv), which the off-node carrier moves after
 // the kernel: no wait and no counter, stream order covers both (docs/design.md, "Across nodes").
-struct NoFirstRowsHook {
-  __device__ void operator()(int) const {}
-};
-// kSplitRows: rows from `split` on are read from `rest` instead (indexed from the tile's first
-// row, `src_ld` apart too), and once every thread has read rows [0, split) from src, each
-// calls done_first(tid) (a tile kept in two places, whose first rows' place is wanted back).
-template <int kNumThreads, int kMaxRows, int kBarrierId = 0, bool kSplitRows = false, class DoneFirst = NoFirstRowsHook>
+template <int kNumThreads, int kMaxRows, int kBarrierId = 0>
 __device__ void scatter_rows_to_peers(const bf16_t* src, int src_ld, int rows, int cols, int m0, int col0,
-                                      const PeerSendConfig& cfg, int tid, const bf16_t* rest = nullptr,
-                                      int split = 0, DoneFirst done_first = {}) {
+                                      const PeerSendConfig& cfg, int tid) {
   __shared__ bf16_t* row_dst[kMaxRows];        // where the row's columns go, or null (refused)
   __shared__ int row_peer[kMaxRows];           // its home's local index, or kOffNode
   __shared__ unsigned int peer_rows[EPSERVE_MAX_PEERS];
@@ -87,25 +80,13 @@ __device__ void scatter_rows_to_peers(const bf16_t* src, int src_ld, int rows, i
   plan_rows_to_peers<kNumThreads, kBarrierId>(rows, m0, col0, cfg, tid, row_dst, row_peer, peer_rows, peer_ok);
 
   const int chunks_per_row = cols / 8;
-  // Rows [r0, r1), row r read at base + r * src_ld.
-  auto copy_rows = [&](const bf16_t* base, int r0, int r1) {
-    for (int c = tid + r0 * chunks_per_row; c < r1 * chunks_per_row; c += kNumThreads) {
-      const int r = c / chunks_per_row;
-      const int k8 = (c - r * chunks_per_row) * 8;
-      bf16_t* dst = row_dst[r];
-      if (dst == nullptr || !peer_ok[row_peer[r]]) continue;
-      const uint4 v = ld_v4(base + static_cast<long long>(r) * src_ld + k8);
-      st_v4(dst + k8, v);
-    }
-  };
-  if constexpr (kSplitRows) {
-    const int first = min(rows, split);
-    copy_rows(src, 0, first);
-    named_barrier_sync<kBarrierId, kNumThreads>();
-    done_first(tid);
-    copy_rows(rest, first, rows);
-  } else {
-    copy_rows(src, 0, rows);
+  for (int c = tid; c < rows * chunks_per_row; c += kNumThreads) {
+    const int r = c / chunks_per_row;
+    const int k8 = (c - r * chunks_per_row) * 8;
+    bf16_t* dst = row_dst[r];
+    if (dst == nullptr || !peer_ok[row_peer[r]]) continue;
+    const uint4 v = ld_v4(src + static_cast<long long>(r) * src_ld + k8);
+    st_v4(dst + k8, v);
   }
   fence_acq_rel_sys();
   named_barrier_sync<kBarrierId, kNumThreads>();

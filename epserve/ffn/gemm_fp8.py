@@ -32,100 +32,40 @@ _NO_PEERS = launch_arg(np.zeros(1, PEER_SEND_CONFIG))
 # Builds of the FP8 GEMM that differ in how tiles are computed, never in the bits
 # (cuda/gemm/grouped_gemm_fp8.cu, top of the file, says what each knob does and why): name ->
 # defines, each naming every knob it sets. The shipped variants (runtime/kernels.py) are
-# "split" for both GEMMs, the fastest at dsv3-prefill's balanced and uniform routings and on
-# a dense problem on one H200 (notes/gemm.md, ninth session: GEMM 1 had shipped
-# "split+overlap", 4-5% slower there), with the padding rows past an expert's end loaded as
-# zeros (fifteenth session: 1.5-1.8% on GEMM 1 by power alone) and tiles handed out by L2 side
-# (twenty-second session: GEMM 1 0.9-2.7% and GEMM 2 0.4-1.7% faster, timed as the bench times them) and the
-# producer's decoded tile published to the consumers (twenty-third session: GEMM 2 0.8-2.6%, GEMM 1 unchanged);
-# "plain" is the build without any of them.
-# launch/jobs/time_gemm_fp8.py --variants times them against the shipped ones,
+# "split" for GEMM 1 and "split+ahead" for GEMM 2: a tile of at most 64 real rows computed by
+# both warpgroups (ninth session), the padding rows past an expert's end loaded as zeros
+# (fifteenth session: 1.5-1.8% on GEMM 1 by power alone), tiles handed out by L2 side
+# (twenty-second session: GEMM 1 0.9-2.7% and GEMM 2 0.4-1.7% faster, timed as the bench
+# times them), the producer's decoded tile published to the consumers (twenty-third session:
+# GEMM 2 0.8-2.6%, GEMM 1 unchanged) and, for GEMM 2, the next tile taken during this one's
+# loads (twenty-fourth session: GEMM 2 2-4%, GEMM 1 4-7% slower). "plain" is the build
+# without any of them; each "split-..." build is the shipped one without one of them. Every
+# other build measured was slower or no faster and was taken out (thirtieth session:
+# notes/gemm.md lists them, commit 31feff3 holds their code).
+# launch/jobs/ab_gemm_fp8.py and time_gemm_sustained.py time them against the shipped ones,
 # tests/gpu/test_gemm_fp8.py holds each to the shipped build's bits, tests/cpu/test_build.py
-# compiles them. Names with "n128" are GEMM 2's only (the kernel refuses them with SwiGLU).
-_PLAIN = {"EPSERVE_GEMM_FP8_SPLIT_TAILS": 0, "EPSERVE_GEMM_FP8_OVERLAP": 0, "EPSERVE_GEMM_FP8_ZERO_PADDING": 0,
-          "EPSERVE_GEMM_FP8_L2_SIDES": 0, "EPSERVE_GEMM_FP8_PUBLISH_TILE": 0, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 0}
+# compiles them.
+_PLAIN = {"EPSERVE_GEMM_FP8_SPLIT_TAILS": 0, "EPSERVE_GEMM_FP8_ZERO_PADDING": 0, "EPSERVE_GEMM_FP8_L2_SIDES": 0,
+          "EPSERVE_GEMM_FP8_PUBLISH_TILE": 0, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 0}
 KNOBS: dict[str, dict[str, int]] = {
     "plain": _PLAIN,
     "split": {**_PLAIN, **FP8_SHIPPED},
     # the shipped build until the fifteenth session: padding rows loaded from the next expert
     "split-unzeroed": {**_PLAIN, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1},
-    "split+overlap": {**_PLAIN, "EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_OVERLAP": 1},
-    "n128": {**_PLAIN, "EPSERVE_GEMM_FP8_BN": 128},
-    "n128+overlap": {**_PLAIN, "EPSERVE_GEMM_FP8_BN": 128, "EPSERVE_GEMM_FP8_OVERLAP": 1},
     # the shipped build until the twenty-second session: every CTA takes tiles from the front
     "split-nosides": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_L2_SIDES": 0, "EPSERVE_GEMM_FP8_PUBLISH_TILE": 0},
     # the shipped build until the twenty-third session: the consumers decode each tile themselves
     "split-unpublished": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_PUBLISH_TILE": 0},
-    # the expert offsets in shared memory for the tile decode (twenty-third session; no faster)
-    "split+offsets": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_SMEM_OFFSETS": 1},
-    # the next tile taken from the counter during this one's loads (twenty-fourth session)
+    # GEMM 2's shipped build: the next tile taken from the counter during this one's loads
     "split+ahead": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1},
-    # k-block 0's promotion starts the sums (fma with +0) instead of zeroing them first
-    "split+firstfma": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_FIRST_FMA": 1},
-    "split+ahead+firstfma": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1,
-                             "EPSERVE_GEMM_FP8_FIRST_FMA": 1},
-    # the hand-over to the writer / send warps by mbarriers: the consumer warpgroups never wait
-    # for each other
-    "split+mbox": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_MBARRIER_MAILBOX": 1},
-    "split+ahead+mbox": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1,
-                         "EPSERVE_GEMM_FP8_MBARRIER_MAILBOX": 1},
-    "split+ahead+offsets": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1,
-                            "EPSERVE_GEMM_FP8_SMEM_OFFSETS": 1},
-    "split+ahead+firstfma+mbox": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1,
-                                  "EPSERVE_GEMM_FP8_FIRST_FMA": 1, "EPSERVE_GEMM_FP8_MBARRIER_MAILBOX": 1},
-    # GEMM 1 only: SwiGLU and act's quantization on the writer warps, the consumers leaving bf16
-    # gate and up sums in GEMM 2's output tile, which leaves 3 ring stages instead of 4; built
-    # with the take-ahead, as GEMM 2's 3-stage ring is (without it the producer's 40 registers
-    # spill 8 bytes). Twenty-fifth session: 5-6.5% slower, the fourth stage being worth more
-    # than the epilogue's cycles
-    "split+ahead+wswiglu": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1,
-                            "EPSERVE_GEMM_FP8_SWIGLU_ON_WRITERS": 1},
-    # the bf16 output tile written by stmatrix (GEMM 2's, and GEMM 1's with wswiglu); twenty-fifth
-    # session: no faster (GEMM 2 gated -0.3%, null +0.7%)
-    "split+ahead+stsm": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1, "EPSERVE_GEMM_FP8_STMATRIX": 1},
-    "split+ahead+wswiglu+stsm": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1,
-                                 "EPSERVE_GEMM_FP8_SWIGLU_ON_WRITERS": 1, "EPSERVE_GEMM_FP8_STMATRIX": 1},
-    # GEMM 2 only: a tile's first 80 output rows go into the stage of its last k-block, which the
-    # writer or send warps free once they have read them, and only its other 48 rows have a
-    # region of their own, so 4 ring stages fit instead of 3. Twenty-sixth session: no faster
-    # (gated -1.6% to +1.1%, null +2.6 to +4.2%)
-    "split+ring": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TILE_IN_RING": 1},
-    "split+ahead+ring": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1, "EPSERVE_GEMM_FP8_TILE_IN_RING": 1},
-    # the ring's handshake (the next stage's full wait, the last stage's release) under the
-    # wgmmas, off the path from one wgmma group to the next (twenty-eighth session)
-    "split+hide": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_HIDE_HANDSHAKE": 1},
-    "split+ahead+hide": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1, "EPSERVE_GEMM_FP8_HIDE_HANDSHAKE": 1},
-    # the full wait alone under the wgmmas, the release where it was
-    "split+hidewait": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_HIDE_HANDSHAKE": 2},
-    "split+ahead+hidewait": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1,
-                             "EPSERVE_GEMM_FP8_HIDE_HANDSHAKE": 2},
-    # whole tiles' A rows read once a k-block into registers for both halves (the RS wgmma)
-    "split+rega": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_REGISTER_A": 1},
-    "split+ahead+rega": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1, "EPSERVE_GEMM_FP8_REGISTER_A": 1},
-    # the shipped builds with the split tails' next k-block in flight during a promotion
-    # ("split+overlap" is the same on the plain build): a split tail's k-blocks run ~1.8x
-    # their MMA time, its two warpgroups in lockstep (twenty-ninth session)
-    "split+ovl": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_OVERLAP": 1},
-    "split+ahead+ovl": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1, "EPSERVE_GEMM_FP8_OVERLAP": 1},
-    # the shipped builds reading B from a k-block-major copy of the weights: each TMA box of B
-    # one contiguous run of memory (thirtieth session; "split+bkm" is GEMM 1's, "split+ahead+bkm"
-    # GEMM 2's)
-    "split+bkm": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_B_KBLOCK_MAJOR": 1},
-    "split+ahead+bkm": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1,
-                        "EPSERVE_GEMM_FP8_B_KBLOCK_MAJOR": 1},
 }
 SHIPPED = {"gemm_fp8_null": "split+ahead", "gemm_fp8_peer": "split+ahead", "gemm1_fp8_swiglu": "split"}
 
 
 def knob_applies(base: str, knob: str) -> bool:
-    """Whether KNOBS[knob] builds with variant `base` (the 128-wide tile is GEMM 2's, the
-    writer warps' SwiGLU GEMM 1's, the tile in the ring GEMM 2's; stmatrix writes a bf16 tile,
-    which GEMM 1 has with wswiglu only; bkm is built on each GEMM's shipped build: GEMM 2's
-    without the take-ahead spills 8 bytes)."""
-    if base.startswith("gemm1"):
-        return ("n128" not in knob and "ring" not in knob and ("stsm" not in knob or "wswiglu" in knob)
-                and not ("bkm" in knob and "ahead" in knob))
-    return "wswiglu" not in knob and not ("bkm" in knob and "ahead" not in knob)
+    """Whether KNOBS[knob] builds with variant `base`: every knob builds with every FP8 GEMM
+    (the function stays for the jobs and tests that ask, and for knobs tried later)."""
+    return knob in KNOBS
 
 
 def build_variant(base: str) -> str:
@@ -133,7 +73,7 @@ def build_variant(base: str) -> str:
     "gemm1_fp8_swiglu", ...): `base` itself, or with $EPSERVE_GEMM_FP8_BUILD naming one of
     KNOBS, `base` built with it (an experimental build with the shipped build's bits, so the
     ranks need not agree), for the jobs and benchmarks that check or time a build in the whole
-    layer. Bases a knob does not build with (the bulk send warps', GEMM 1 with n128) stay."""
+    layer. The bulk send warps' base stays as it is."""
     knob = os.environ.get("EPSERVE_GEMM_FP8_BUILD", "")
     if not knob:
         return base
@@ -211,13 +151,10 @@ def _specs(variant: str, a, a_scales, b, b_scales, b_rows: int, C, c_scales, exp
     # A may be a view of wider rows (the FP8 dispatch's packed rows: values, then scales).
     assert a.strides[1] == 1 and a.strides[0] >= K and a.strides[0] % 16 == 0, a.strides
     device = cupy.cuda.runtime.getDevice()
-    fn, smem, threads, grid, b_box, sa_box, b_kblock_major = _kernel(variant, device)
+    fn, smem, threads, grid, b_box, sa_box = _kernel(variant, device)
     map_a = _fp8_map(a.data.ptr, M, K, 64, a.strides[0])
     map_sa = _scales_map(a_scales.data.ptr, K // BLOCK, M, a_scales.shape[1], sa_box)
-    if b_kblock_major:  # a diagnostic build (EPSERVE_GEMM_FP8_B_KBLOCK_MAJOR): B from a k-block-major copy
-        map_b = _fp8_map(kblock_major(b).data.ptr, b_rows * (K // BLOCK), BLOCK, b_box)
-    else:
-        map_b = _fp8_map(b.data.ptr, b_rows, K, b_box)
+    map_b = _fp8_map(b.data.ptr, b_rows, K, b_box)
     counter = _tile_counter(device, cupy.cuda.get_current_stream().ptr)
     c_ld = _i64(0 if c_scales is None else c_scales.shape[1])
     args = (map_a, map_sa, map_b, b_scales, NULL if C is None else C, NULL if c_scales is None else c_scales, c_ld,
@@ -236,26 +173,7 @@ def _kernel(variant: str, device: int):
     sa_box = module_int(mod, "epserve_gemm_scale_box_cols")
     if module_int(mod, "epserve_gemm_l2_sides"):  # its CTAs take tiles by L2 side: give it the sides
         l2_sides.write_table(mod, device)
-    b_kblock_major = bool(module_int(mod, "epserve_gemm_b_kblock_major"))
-    return fn, smem, (threads,), (sm_count(device),), b_box, sa_box, b_kblock_major
-
-
-_KBLOCK_MAJOR: dict = {}  # id(b) -> (b, its copy): b is held, so its memory cannot be reused under the key
-
-
-def kblock_major(b):
-    """B [E, rows, K] e4m3 as [E, K / 128, rows, 128]: each TMA box of B one contiguous run (the
-    EPSERVE_GEMM_FP8_B_KBLOCK_MAJOR diagnostic build reads its weights so). Made once per array,
-    on the current stream, and kept with the array (a measurement's weights: at most two
-    arrays are kept, the oldest dropped)."""
-    key = id(b)
-    if key not in _KBLOCK_MAJOR:
-        while len(_KBLOCK_MAJOR) >= 2:
-            _KBLOCK_MAJOR.pop(next(iter(_KBLOCK_MAJOR)))
-        E, rows, K = b.shape[0], b.size // (b.shape[0] * b.shape[-1]), b.shape[-1]
-        copy = cupy.ascontiguousarray(b.reshape(E, rows, K // BLOCK, BLOCK).transpose(0, 2, 1, 3))
-        _KBLOCK_MAJOR[key] = (b, copy)
-    return _KBLOCK_MAJOR[key][1]
+    return fn, smem, (threads,), (sm_count(device),), b_box, sa_box
 
 
 @functools.lru_cache(maxsize=256)

@@ -25,11 +25,11 @@ OFF_NODE_DEDUP_SOURCE = "comm/off_node_dedup.cu"  # the relay with each token on
 OVERLAP = {"EPSERVE_SINK": "EpPeerSinkCountingOffNode", "EPSERVE_GEMM_OFFNODE_FIRST": 1}
 BULK = {"EPSERVE_SINK": "EpPeerSinkBulk", "EPSERVE_SINK_BULK": 1}
 FP8_GEMM_SOURCE = "gemm/grouped_gemm_fp8.cu"  # block-scaled e4m3 wgmma, the bf16 wgmma GEMM's structure
-# The shipped FP8 GEMM builds' knobs: split tails, no overlapped promotion, padding rows
-# loaded as zeros, tiles handed out by L2 side (epserve/runtime/l2_sides.py writes the side
-# table into each loaded module); epserve/ffn/gemm_fp8.py KNOBS["split"] is this build (GEMM 1's).
-FP8_SHIPPED = {"EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_OVERLAP": 0, "EPSERVE_GEMM_FP8_ZERO_PADDING": 1,
-               "EPSERVE_GEMM_FP8_L2_SIDES": 1, "EPSERVE_GEMM_FP8_PUBLISH_TILE": 1, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 0}
+# The shipped FP8 GEMM builds' knobs: split tails, padding rows loaded as zeros, tiles handed
+# out by L2 side (epserve/runtime/l2_sides.py writes the side table into each loaded module),
+# the decoded tile published; epserve/ffn/gemm_fp8.py KNOBS["split"] is this build (GEMM 1's).
+FP8_SHIPPED = {"EPSERVE_GEMM_FP8_SPLIT_TAILS": 1, "EPSERVE_GEMM_FP8_ZERO_PADDING": 1, "EPSERVE_GEMM_FP8_L2_SIDES": 1,
+               "EPSERVE_GEMM_FP8_PUBLISH_TILE": 1, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 0}
 # GEMM 2 (not GEMM 1) also takes its next tile during this one's loads: the first stage of a
 # tile no longer arrives late in its 3-stage ring (GEMM 2 2-4% faster); GEMM 1, whose 56
 # k-blocks a tile and 4 stages hid that wait already, ran 4-7% slower with it
@@ -52,8 +52,7 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     # FP8 experts (issue 16): GEMM 2 with either sink, GEMM 1 with SwiGLU and act quantized
     # for GEMM 2 in its epilogue, and the quantizers of weights and activations
     # FP8 GEMMs: a tile of at most 64 real rows split over both warpgroups, and the padding rows
-    # past an expert's end loaded as zeros: epserve/ffn/gemm_fp8.py KNOBS (the overlapped
-    # promotion measured slower: a knob)
+    # past an expert's end loaded as zeros: epserve/ffn/gemm_fp8.py KNOBS
     **{f"gemm_fp8_{sink}": (FP8_GEMM_SOURCE, {"EPSERVE_SINK": cls, **FP8_GEMM2_SHIPPED})
        for sink, cls in SINKS.items()},
     # GEMM 2's peer sink with bulk asynchronous copies (EPSERVE_SINK_STORES=bulk, opt-in:

@@ -2,7 +2,7 @@
 stamps (cuda/gemm/grouped_gemm_fp8.cu says which point each slot marks), on one GPU:
 
     python launch/jobs/trace_gemm_fp8.py [--problems dense8192 dense2048 gemm2 gemm1] [--no-loads]
-                                         [--on split+mbox ...] [--k-blocks]
+                                         [--on split+ahead ...] [--k-blocks]
 
 Problems: denseK is one expert of 8192 x 8192 with K = K; gemm2 and gemm1 are dsv3-prefill at
 rank 0 of 2's balanced rows (32777 rows over 128 experts), GEMM 2 with the null sink (storing
