@@ -621,7 +621,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     // Frees stage s for the producer's next TMA loads into it. Every thread arrives for
     // itself, after its own reads of the stage: besides the wgmmas (whose wait precedes every
     // release), the consumers read the stage's A scales (ring_sa) with ordinary loads, and the
-    // split tails' promote_stage reads them after the MMA, just before it frees the stage.
+    // split tails read them after the MMA, just before they free the stage.
     // With one arrival per warpgroup (its thread 0, as this kernel first had), the
     // warpgroup's other three warps could still be about to read their rows' scales when the
     // producer, seeing the stage free, had TMA overwrite them with the next k-block's (or the
