@@ -13,7 +13,7 @@
 //      twelfth session)
 //   5  level 3 without the consumers' wait on the full barrier (the producer still runs)
 //   6  level 2 + the consumers' arrivals on the empty barriers alone (no producer, no wait)
-//   9  level 3 with the handshake under the wgmmas (EPSERVE_GEMM_FP8_HIDE_HANDSHAKE): k-block
+//   9  level 3 with the handshake under the wgmmas (the GEMM build of it, taken out): k-block
 //      kt waits for kt + 1's stage with its second group in flight and frees kt - 1's stage
 //      after issuing its first
 //   10 level 3 with A from registers (the RS wgmma): each k-block's A rows read once by
