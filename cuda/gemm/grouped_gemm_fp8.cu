@@ -131,13 +131,6 @@
 // sums, the mbarrier mailbox, GEMM 1's SwiGLU on the writer warps, stmatrix for the output
 // tile, GEMM 2's output tile in the ring, the ring's handshake under the wgmmas, A from
 // registers, B from a k-block-major copy of the weights, and the shared-memory padding probe.
-// - EPSERVE_GEMM_FP8_STAGGER_TAILS=1 (thirtieth session, being measured): in a split tail
-//   whose two halves are both computed, the second warpgroup issues its first k-block's
-//   wgmmas once the first warpgroup's are done (both meet at named barrier 7), so the two take turns
-//   in the tensor pipe from then on, as on whole tiles, instead of issuing together and then
-//   promoting together while the pipe idles (a split tail's k-block took ~913 cycles for 512
-//   of MMA, twenty-ninth session). Same bits: the same wgmmas and promotions, in the same
-//   order in each warpgroup.
 // Diagnostic build: EPSERVE_GEMM_FP8_TRACE=1 stamps %clock64 at points of each tile into
 // epserve_gemm_trace (below); launch/jobs/trace_gemm_fp8.py reads them.
 #ifndef EPSERVE_GEMM_FP8_SPLIT_TAILS
@@ -163,9 +156,6 @@
 #endif
 #ifndef EPSERVE_GEMM_FP8_ZERO_PADDING
 #define EPSERVE_GEMM_FP8_ZERO_PADDING 0
-#endif
-#ifndef EPSERVE_GEMM_FP8_STAGGER_TAILS
-#define EPSERVE_GEMM_FP8_STAGGER_TAILS 0
 #endif
 #ifndef EPSERVE_GEMM_FP8_TRACE
 #define EPSERVE_GEMM_FP8_TRACE 0
@@ -241,8 +231,6 @@ constexpr bool kMma = EPSERVE_GEMM_FP8_MMA != 0;
 constexpr bool kCheckTma = EPSERVE_GEMM_FP8_CHECK_TMA != 0;
 constexpr bool kUnalignedScales = EPSERVE_GEMM_FP8_UNALIGNED_SCALES != 0;
 constexpr bool kSplitTails = EPSERVE_GEMM_FP8_SPLIT_TAILS != 0;
-constexpr bool kStaggerTails = EPSERVE_GEMM_FP8_STAGGER_TAILS != 0 && kSplitTails;
-constexpr int kStaggerBarrier = 7;  // EPSERVE_GEMM_FP8_STAGGER_TAILS: the first warpgroup's first group done
 // Named barriers of the split tails' GEMM 1 epilogue (0 is __syncthreads; 2 and 3 are the
 // mailbox's, 4 the peer sink's send warps').
 constexpr int kSplitBarrierConsumers = 5, kSplitBarrierFirst = 6;
@@ -686,18 +674,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       if (split && computes) {
         const int b_off = warpgroup * kHalfN * kBK;  // the stage's first 64 rows of A are its only box
         const float* sbh = warpgroup == 1 ? sb1 : sb0;
-        const bool stagger = kStaggerTails && second_half;  // both warpgroups compute: the second one waits
 #pragma unroll
         for (int i = 0; i < 64; ++i) sum[i] = 0.f;
         for (int kt = 0; kt < k_blocks; ++kt) {
           const float b_scale = __ldg(sbh + kt);  // in flight during the wait
           mbarrier_wait(&full[stage], phase);
-          if (stagger && kt == 0 && warpgroup == 1) named_barrier_sync_across_roles<kStaggerBarrier, kConsumerThreads>();
           // The default build's first warpgroup issues these very wgmmas for half h.
           k_block_mma<kMma>(part, ring_a_desc + stage * kStageA / 16, ring_b_desc + (stage * kStageB + b_off) / 16);
-          // (A sync, not an arrive: the first warpgroup may otherwise reach the next tail's
-          // barrier before the second has left this one's, over stages already loaded.)
-          if (stagger && kt == 0 && warpgroup == 0) named_barrier_sync_across_roles<kStaggerBarrier, kConsumerThreads>();
           // The A scales of the stage are read after the MMA, just before the stage is freed.
           const float* sa = ring_sa + stage * (kStageScales / 4) + (t.m_abs - scale_box_col(t.m_abs));
           const float a_lo = sa[srow], a_hi = sa[srow + 8];

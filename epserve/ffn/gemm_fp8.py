@@ -58,10 +58,6 @@ KNOBS: dict[str, dict[str, int]] = {
     "split-unpublished": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_PUBLISH_TILE": 0},
     # GEMM 2's shipped build: the next tile taken from the counter during this one's loads
     "split+ahead": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1},
-    # a split tail's second warpgroup one wgmma group behind the first (thirtieth session, being measured)
-    "split+stagger": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_STAGGER_TAILS": 1},
-    "split+ahead+stagger": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1,
-                            "EPSERVE_GEMM_FP8_STAGGER_TAILS": 1},
 }
 SHIPPED = {"gemm_fp8_null": "split+ahead", "gemm_fp8_peer": "split+ahead", "gemm1_fp8_swiglu": "split"}
 
