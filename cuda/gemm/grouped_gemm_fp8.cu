@@ -73,8 +73,9 @@
 //   warpgroup (its thread 0), as before the split tails' scale race was fixed (see `release`
 //   in the consumers): the build that reproduces that race (launch/jobs/check_fp8_race.py
 //   --release-by-warpgroup), never a shipped one.
-// Experimental builds (launch/jobs/time_gemm_fp8.py --variants times them against the
-// default; tests/gpu/test_gemm_fp8.py holds each to the default's bits):
+// The shipped features, each a define so that the build without it can be timed against the
+// shipped one (epserve.ffn.gemm_fp8.KNOBS; launch/jobs/ab_gemm_fp8.py, time_gemm_sustained.py,
+// time_gemm_fp8.py --variants) and held to its bits (tests/gpu/test_gemm_fp8.py):
 // - EPSERVE_GEMM_FP8_SPLIT_TAILS=1: a tile whose real rows all lie in its first 64 (an
 //   expert's tail) is computed by both consumer warpgroups, each on one 128-column half of
 //   the same 64 rows, instead of by the first warpgroup alone on both halves while the

@@ -16,8 +16,8 @@ machine's rates in the same run. CUDA-event medians, paths
 interleaved; TFLOP/s count real rows only. The issue's target: each FP8 GEMM >= 1100 TFLOP/s
 at dsv3-prefill, balanced routing.
 
-`--variants` adds the FP8 GEMM's experimental builds (epserve.ffn.gemm_fp8.KNOBS: split
-tails, 128-wide tiles, promotion overlapped with the next k-block's wgmmas), timed
+`--variants` adds the FP8 GEMM's other builds (epserve.ffn.gemm_fp8.KNOBS: the shipped
+features one at a time, and none of them), timed
 interleaved with the shipped build on the same inputs, each row checked bit for bit against
 the shipped build's output.
 
