@@ -40,9 +40,8 @@ _NO_PEERS = launch_arg(np.zeros(1, PEER_SEND_CONFIG))
 # GEMM 2 0.8-2.6%, GEMM 1 unchanged) and, for GEMM 2, the next tile taken during this one's
 # loads (twenty-fourth session: GEMM 2 2-4%, GEMM 1 4-7% slower). "plain" is the build
 # without any of them; each "split-..." build is an earlier shipped build (its comment says
-# which). Every
-# other build measured was slower or no faster and was taken out (thirtieth session:
-# notes/gemm.md lists them, commit 31feff3 holds their code).
+# which). Every other build measured was slower or no faster and was taken out (thirtieth
+# session: notes/gemm.md lists them, commit 31feff3 holds their code).
 # launch/jobs/ab_gemm_fp8.py and time_gemm_sustained.py time them against the shipped ones,
 # tests/gpu/test_gemm_fp8.py holds each to the shipped build's bits, tests/cpu/test_build.py
 # compiles them.
