@@ -62,12 +62,6 @@ KNOBS: dict[str, dict[str, int]] = {
 SHIPPED = {"gemm_fp8_null": "split+ahead", "gemm_fp8_peer": "split+ahead", "gemm1_fp8_swiglu": "split"}
 
 
-def knob_applies(base: str, knob: str) -> bool:
-    """Whether KNOBS[knob] builds with variant `base`: every knob builds with every FP8 GEMM
-    (the function stays for the jobs and tests that ask, and for knobs tried later)."""
-    return knob in KNOBS
-
-
 def build_variant(base: str) -> str:
     """The variant the layer launches for `base` ("gemm_fp8_null", "gemm_fp8_peer",
     "gemm1_fp8_swiglu", ...): `base` itself, or with $EPSERVE_GEMM_FP8_BUILD naming one of
@@ -79,7 +73,7 @@ def build_variant(base: str) -> str:
         return base
     if knob not in KNOBS:
         raise ConfigError(f"EPSERVE_GEMM_FP8_BUILD must be one of {sorted(KNOBS)}, got {knob!r}")
-    if base.endswith("_bulk") or not knob_applies(base, knob):
+    if base.endswith("_bulk"):
         return base
     from epserve.runtime import kernels
 

@@ -10,8 +10,7 @@ C) and GEMM 1 with SwiGLU. Each build is launched as the bench launches it (idle
 calls, then the traced one), and the last launch's stamps are read back. --no-loads adds the
 same build with no TMA load at all (the ring holds whatever it held: the time of the math and
 the hand-overs alone). --on adds the trace built over each given knob build
-(epserve.ffn.gemm_fp8.KNOBS) instead of the shipped one (GEMM 2's and GEMM 1's differ), on the
-problems whose GEMM the knob builds with.
+(epserve.ffn.gemm_fp8.KNOBS) instead of the shipped one (GEMM 2's and GEMM 1's differ).
 --k-blocks stamps each warpgroup's k-blocks 0-7 too (a build of its own, slower by the stamps:
 compare it only with itself): each k-block's cycles on either warpgroup, and how far the second
 warpgroup's end of it lies behind the first's (about one wgmma group, +-256 cycles, where the
@@ -151,7 +150,7 @@ def main():
         trace = {"EPSERVE_GEMM_FP8_TRACE": 2} if args.k_blocks else TRACE
         over = {"trace": (shipped, trace),
                 **({"trace, no loads": (shipped, {**trace, **NO_LOADS})} if args.no_loads else {}),
-                **{f"trace on {k}": (k, trace) for k in args.on if gemm_fp8.knob_applies(base, k)}}
+                **{f"trace on {k}": (k, trace) for k in args.on}}
         builds = list(over)
         for name, (knob, defines) in over.items():
             gemm_fp8.KNOBS[name] = {**gemm_fp8.KNOBS[knob], **defines}
