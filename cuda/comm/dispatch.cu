@@ -245,7 +245,8 @@ __device__ void expand_tokens(const bf16_t* __restrict__ x, int x_cols, int T, c
                               const int* __restrict__ base, bf16_t* __restrict__ a, int* __restrict__ src_info,
                               int* __restrict__ expert_offsets, const unsigned long long* __restrict__ my_chunk_arrive,
                               const unsigned long long* __restrict__ expected_chunk, int max_chunks,
-                              bool own_in_send, int block, int grid, bool off_node = false) {
+                              bool own_in_send, int block, int grid, bool off_node = false,
+                              uint4* staging = nullptr) {
   const int E = cfg.num_experts, W = cfg.world, k = cfg.top_k, H = cfg.hidden, e_loc = E / W, row = E + W + 1;
   const int meta_len = 1 + 2 * k, rank = cfg.rank;
   // first[n]: the first work item of the n-th source taken (first[0]: after this rank's own
@@ -326,7 +327,11 @@ __device__ void expand_tokens(const bf16_t* __restrict__ x, int x_cols, int T, c
     uint4* dst = m >= 0 ? reinterpret_cast<uint4*>(a + static_cast<long long>(m) * H) : nullptr;
 #if EPSERVE_DISPATCH_QUANTIZE
     if (src == nullptr) {  // this rank's own token t: quantized from x on the way, as the send does; whole, by part 0
-      if (part == 0) token_row_to_many(dst, rows, x, t, H, x_cols, lane);
+      if (part == 0 && staging != nullptr)
+        quantize_row_to_many_staged(dst, rows, x + static_cast<long long>(t) * x_cols, x_cols, n16, lane,
+                                    staging + (threadIdx.x >> 5) * n16);
+      else if (part == 0)
+        token_row_to_many(dst, rows, x, t, H, x_cols, lane);
     } else
 #endif
       copy_row_to_many(dst == nullptr ? nullptr : dst + c0, rows, src + c0, chunks, lane);
@@ -353,6 +358,21 @@ __device__ void release_dispatch(const DispatchConfig& cfg, unsigned long long* 
   }
   __syncthreads();  // every read of the count table is done before the peers may overwrite it
   if (threadIdx.x < cfg.ranks_per_node) red_release_sys_add(cfg.ready[threadIdx.x] + rank, 1ull);
+}
+
+// The quantizing build's staging rows for this rank's own rows (quantize_row_to_many_staged):
+// one packed row of H 2-byte units a warp, in the dynamic shared memory the host gives the
+// move kernel (epserve/dispatch/direct.py, DirectDispatcher.stage_own_rows); null where it
+// gave none (the rows are then stored by the warps, the same bits).
+__device__ __forceinline__ uint4* own_row_staging(int H) {
+#if EPSERVE_DISPATCH_QUANTIZE
+  extern __shared__ uint4 move_staging[];
+  unsigned bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+  return bytes >= (blockDim.x >> 5) * 2u * H ? move_staging : nullptr;
+#else
+  return nullptr;
+#endif
 }
 
 // send and expand in one launch, so expansion overlaps arrival: blocks [0, send_blocks)
@@ -392,7 +412,12 @@ extern "C" __global__ void __launch_bounds__(kMoveThreads, kMoveBlocksPerSm)
                 max_chunks, blockIdx.x, send_blocks);
   else
     expand_tokens(x, x_cols, T, topk_idx, slot_rank, cfg, base, a, src_info, expert_offsets, chunk_arrive[cfg.rank],
-                  expected_chunk, max_chunks, own_in_send, blockIdx.x - send_blocks, gridDim.x - send_blocks);
+                  expected_chunk, max_chunks, own_in_send, blockIdx.x - send_blocks, gridDim.x - send_blocks, false,
+                  own_row_staging(cfg.hidden));
+#if EPSERVE_DISPATCH_QUANTIZE
+  bulk_wait<0>();              // this thread's staged rows written (none: no wait)
+  fence_proxy_async_global();  // and ordered before what the block does next (the release)
+#endif
   if (done == nullptr) return;
   // Every block's reads of the token regions and the count table are done before the release.
   if (last_block_to_finish(done)) release_dispatch(cfg, expected_chunk, max_chunks);

@@ -9,6 +9,7 @@
 #define EPSERVE_DISPATCH_QUANTIZE 0  // 1: the move quantizes bf16 tokens into packed FP8 rows (dispatch.cu)
 #endif
 #if EPSERVE_DISPATCH_QUANTIZE
+#include "common/bulk_copy.cuh"
 #include "common/fp8_rows.cuh"
 #endif
 
@@ -166,18 +167,19 @@ __device__ __forceinline__ void copy_row_to_many(uint4* my_dst, unsigned lanes, 
 
 #if EPSERVE_DISPATCH_QUANTIZE
 // One warp quantizes a bf16 row of `cols` columns (a multiple of 128) into a packed FP8 row
-// of row16 16-byte chunks and stores it to several destinations at once (lanes as
-// copy_row_to_many's): bytes [0, cols) the e4m3 values, then the cols / 128 fp32 scales, then
-// zeros to the row's end (epserve.ffn.fp8.packed_row_bytes: rows on whole 128-byte lines).
-// The bits of epserve_quantize_rows_packed_fp8, by the same functions (common/fp8_rows.cuh).
-// Each pass takes 4 k-blocks of 128 columns: lane l loads 16 bf16 (two 16-byte chunks) of
-// k-block l / 8, the 8 lanes of a k-block reduce its amax, each lane stores its 16 e4m3 as
-// one 16-byte chunk, and lane 0 the pass's 4 scales as one 16-byte chunk (zeros past the
-// last k-block). Two passes a round, so four 16-byte loads a lane are in flight, as in
-// copy_row_to_many (four passes a round measured no faster and took 80 registers, not 61).
+// of row16 16-byte chunks: bytes [0, cols) the e4m3 values, then the cols / 128 fp32 scales,
+// then zeros to the row's end (epserve.ffn.fp8.packed_row_bytes: rows on whole 128-byte
+// lines). The bits of epserve_quantize_rows_packed_fp8, by the same functions
+// (common/fp8_rows.cuh). Each pass takes 4 k-blocks of 128 columns: lane l loads 16 bf16 (two
+// 16-byte chunks) of k-block l / 8, the 8 lanes of a k-block reduce its amax, each lane holds
+// its 16 e4m3 as one 16-byte chunk, and lane 0 the pass's 4 scales as one 16-byte chunk (zeros
+// past the last k-block). Two passes a round, so four 16-byte loads a lane are in flight, as
+// in copy_row_to_many (four passes a round measured no faster and took 80 registers, not 61).
+// For each pass, the row's chunks go out by each_row(store): each_row calls store(dst) for
+// every row base the chunks go to (every lane with the same dst, so it may shuffle between).
 // The row is read once, however many destinations it has.
-__device__ __forceinline__ void quantize_row_to_many(uint4* my_dst, unsigned lanes, const bf16_t* src, int cols,
-                                                     int row16, int lane) {
+template <class EachRow>
+__device__ __forceinline__ void quantize_row(const bf16_t* src, int cols, int row16, int lane, EachRow each_row) {
   constexpr int kPasses = 2;
   const int k_blocks = cols / 128, values16 = cols / 16, g = lane >> 3, i = lane & 7;
   const uint4* row = reinterpret_cast<const uint4*>(src);  // 8 bf16 a chunk: k-block kb's are [16 kb, 16 kb + 16)
@@ -206,25 +208,51 @@ __device__ __forceinline__ void quantize_row_to_many(uint4* my_dst, unsigned lan
       scales[u].z = __shfl_sync(0xffffffffu, s, 16);
       scales[u].w = __shfl_sync(0xffffffffu, s, 24);
     }
-    for (unsigned m = lanes; m; m &= m - 1) {
-      uint4* dst = reinterpret_cast<uint4*>(
-          __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(my_dst), __ffs(m) - 1));
+    each_row([&](uint4* dst) {
 #pragma unroll
       for (int u = 0; u < kPasses; ++u) {
         const int kb = 4 * (p + u) + g;
         if (kb < k_blocks) st_v4(dst + 8 * kb + i, q[u]);
         if (lane == 0 && 4 * (p + u) < k_blocks) st_v4(dst + values16 + p + u, scales[u]);
       }
-    }
+    });
   }
   // The padding after the scale chunks (the last of which holds zeros past the last k-block).
   const int pad16 = values16 + (k_blocks + 3) / 4;
-  if (pad16 < row16)  // warp-uniform, as lanes is: every lane takes part in the shuffles
-    for (unsigned m = lanes; m; m &= m - 1) {
-      uint4* dst = reinterpret_cast<uint4*>(
-          __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(my_dst), __ffs(m) - 1));
+  if (pad16 < row16)  // warp-uniform: every lane takes part in the shuffles
+    each_row([&](uint4* dst) {
       for (int c = pad16 + lane; c < row16; c += 32) st_v4(dst + c, make_uint4(0, 0, 0, 0));
-    }
+    });
+}
+
+// quantize_row's packed row stored to several destinations at once (lanes as
+// copy_row_to_many's), each chunk from registers to every destination.
+__device__ __forceinline__ void quantize_row_to_many(uint4* my_dst, unsigned lanes, const bf16_t* src, int cols,
+                                                     int row16, int lane) {
+  quantize_row(src, cols, row16, lane, [&](auto store) {
+    for (unsigned m = lanes; m; m &= m - 1)
+      store(reinterpret_cast<uint4*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(my_dst), __ffs(m) - 1)));
+  });
+}
+
+// The same row staged whole in this warp's row of shared memory, then handed to the bulk copy
+// engine: each lane of `lanes` copies it to its my_dst by one cp.async.bulk. The engine
+// writes whole 128-byte lines, where the warps' 16-byte stores to 4-8 rows at once left the
+// writes ~9% slower (notes/dispatch.md, twentieth session). The staging row is rewritten
+// only once the engine has read it (the wait at the start); bulk_wait<0> before the
+// kernel's end makes the writes complete.
+__device__ __forceinline__ void quantize_row_to_many_staged(uint4* my_dst, unsigned lanes, const bf16_t* src,
+                                                            int cols, int row16, int lane, uint4* staging) {
+  bulk_wait_read<0>();  // this lane's copies of the previous row have read the staging row
+  __syncwarp();
+  quantize_row(src, cols, row16, lane, [&](auto store) { store(staging); });
+  fence_proxy_async_shared();  // this lane's stores, before the engine reads them
+  __syncwarp();
+  if (lanes >> lane & 1) {
+    bulk_copy_shared_to_global(my_dst, staging, static_cast<uint32_t>(row16) * 16);
+    bulk_commit();
+  }
 }
 #endif
 

@@ -39,8 +39,23 @@ _NOT_REPLAYABLE = object()  # a key whose recorded launches LaunchReplay refused
 _MAX_REPLAYS = 64  # recorded dispatches kept (token counts x streams x settings)
 
 MOVE_THREADS = 256  # kMoveThreads in dispatch_common.cuh: a warp per token row
+MOVE_BLOCKS_PER_SM = 3  # kMoveBlocksPerSm: one send and two expand blocks, all resident at once
+RESERVED_SHARED_PER_BLOCK = 1024  # bytes of an SM's shared memory the driver keeps per block (Hopper)
 ARRIVAL_CHUNK = 32  # kArrivalChunk in dispatch.cu: token rows per arrival counter
 RELEASE_THREADS = 256
+
+
+def own_row_staging_bytes(hidden: int, static_bytes: int, block_optin: int, per_sm: int) -> int:
+    """Dynamic shared memory for the quantizing move's staging rows (a packed row of `hidden`
+    2-byte units a warp), or 0 where its MOVE_BLOCKS_PER_SM blocks would then not all fit on
+    an SM: the move's expand blocks wait for the peers' send blocks, so the grid must be
+    resident at once."""
+    staging = MOVE_THREADS // 32 * 2 * hidden
+    if staging + static_bytes > block_optin:
+        return 0
+    if MOVE_BLOCKS_PER_SM * (staging + static_bytes + RESERVED_SHARED_PER_BLOCK) > per_sm:
+        return 0
+    return staging
 
 
 class DirectDispatcher:
@@ -102,6 +117,13 @@ class DirectDispatcher:
         self._move_quantize = kernels.module("dispatch_quantize").get_function("epserve_dispatch_move") \
             if quantize_cols else None
         self._x_cols = i32(quantize_cols)
+        # stage_own_rows: the quantizing move stages each of this rank's own rows in shared
+        # memory and the bulk copy engine writes its expert rows (quantize_row_to_many_staged);
+        # off, the warps store them. The same bits either way; launch/jobs/time_dispatch.py
+        # times both. Where the staging rows would not leave the move's three blocks an SM
+        # (wide rows), it is off.
+        self._staging_bytes = self._own_row_staging_bytes() if quantize_cols else 0
+        self.stage_own_rows = self._staging_bytes > 0
         self._release = mod.get_function("epserve_dispatch_release")
         self._sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         # Nothing in it changes between calls (the epoch is on the device): packed and wrapped once.
@@ -130,6 +152,16 @@ class DirectDispatcher:
         self.replayed_calls = 0
         if off_node is not None:  # its sized transfers and compact land read these
             off_node.bind_dispatch(self._table.ptr, self._tokens.ptr, self._meta.ptr, self.route.slot_rank)
+
+    def _own_row_staging_bytes(self) -> int:
+        """The quantizing move's dynamic shared memory for its staging rows, set on the kernel
+        (0: none, the warps store the own rows)."""
+        fn, attrs = self._move_quantize, cupy.cuda.Device().attributes
+        staging = own_row_staging_bytes(self.H, fn.shared_size_bytes, attrs["MaxSharedMemoryPerBlockOptin"],
+                                        attrs["MaxSharedMemoryPerMultiprocessor"])
+        if staging:
+            fn.max_dynamic_shared_size_bytes = staging
+        return staging
 
     @property
     def quantizes(self) -> bool:
@@ -192,7 +224,8 @@ class DirectDispatcher:
             route.count_publish_spec(topk_idx, T, t, code, cfg),
             route.rank_layout_spec(topk_idx, T, t, cfg, self.expert_offsets, self._base,
                                    *(arm_combine or (_NULL, i32(0)))),
-            (move, move_grid, (MOVE_THREADS,), move_args, 0),
+            (move, move_grid, (MOVE_THREADS,), move_args,
+             self._staging_bytes if self.quantizes and self.stage_own_rows else 0),
         ]
         if not self.fuse_release:
             specs.append((self._release, (1,), (RELEASE_THREADS,), (cfg, self._expected_chunk, self._max_chunks_arg),
@@ -243,8 +276,8 @@ class DirectDispatcher:
         """enqueue for a one-node call with good input, its launches recorded once per key
         (everything that shapes them: the token count, the stream, the grids and builds
         launch/jobs/time_dispatch.py may change) and replayed with x and topk_idx rewritten."""
-        key = (x.shape[0], stream, self.quantizes, self.own_in_send, self.fuse_release, self.send_blocks_max,
-               self.expand_blocks, self._move, self._move_quantize)
+        key = (x.shape[0], stream, self.quantizes, self.own_in_send, self.stage_own_rows, self.fuse_release,
+               self.send_blocks_max, self.expand_blocks, self._move, self._move_quantize)
         replay = self._replays.get(key)
         inputs = {"x": x, "topk_idx": topk_idx}
         if replay is None and self.launches.prepared:

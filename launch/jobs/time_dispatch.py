@@ -11,10 +11,12 @@ times, the slowest rank reported:
             behind an untimed one, so the ranks start it together; the time from each
             kernel's launch to the next one's is that kernel's share (a kernel that waits for
             a peer, layout for the count rows, move for the token rows, includes the wait)
-and, where the dispatcher has them (send_blocks_max, expand_blocks, fuse_release, own_in_send),
-the same per kernel for each move grid in --grids (send blocks : expand blocks), with the
-release kernel instead of the move kernel's last block, and with the send warps storing this
-rank's own expert rows (own_in_send) for the default grid and each in --own-grids; then the
+and, where the dispatcher has them (send_blocks_max, expand_blocks, fuse_release,
+stage_own_rows, own_in_send), the same per kernel for each move grid in --grids (send blocks :
+expand blocks), with the release kernel instead of the move kernel's last block, with the
+quantizing move's own rows stored by the warps instead of staged for the bulk copy engine,
+and with the send warps storing this rank's own expert rows (own_in_send) for the default grid
+and each in --own-grids; then the
 move kernel's phases (the default configuration), from a build
 with EPSERVE_DISPATCH_STAMPS (global-timer stamps per block): when the sends end, when this
 rank's own rows are expanded, when the expansion ends. After every configuration the rows,
@@ -217,17 +219,20 @@ def main():
         def parse(specs):
             return [tuple(int(v) for v in spec.split(":")) for spec in filter(None, specs.split(","))]
 
-        # (label, grid or None for the default, own_in_send, fuse_release)
-        configs = [("default", None, False, True)]
+        # (label, grid or None for the default, own_in_send, fuse_release, stage_own_rows)
+        staged = getattr(d, "stage_own_rows", False)
+        configs = [("default", None, False, True, staged)]
         if default[0] is not None:
-            configs[0] = (f"default {default[0]}:{default[1]}", None, False, True)
-            configs += [(f"{s}:{e}", (s, e), False, True) for s, e in parse(args.grids)]
+            configs[0] = (f"default {default[0]}:{default[1]}", None, False, True, staged)
+            configs += [(f"{s}:{e}", (s, e), False, True, staged) for s, e in parse(args.grids)]
         if hasattr(d, "fuse_release"):
-            configs.append(("default, release kernel", None, False, False))
+            configs.append(("default, release kernel", None, False, False, staged))
+        if staged:  # the quantizing move's own rows stored by the warps, not staged for the bulk copies
+            configs.append(("own rows by the warps", None, False, True, False))
         if hasattr(d, "own_in_send"):
-            configs.append((f"own in send {default[0]}:{default[1]}", None, True, True))
-            configs += [(f"own in send {s}:{e}", (s, e), True, True) for s, e in parse(args.own_grids)]
-        for n, (label, grid, own, fused) in enumerate(configs):
+            configs.append((f"own in send {default[0]}:{default[1]}", None, True, True, staged))
+            configs += [(f"own in send {s}:{e}", (s, e), True, True, staged) for s, e in parse(args.own_grids)]
+        for n, (label, grid, own, fused, stage) in enumerate(configs):
             if n:  # the first is what the dispatcher does already, checked above
                 if default[0] is not None:
                     d.send_blocks_max, d.expand_blocks = grid or default
@@ -236,6 +241,8 @@ def main():
                     d.fuse_release = fused
                 if hasattr(d, "own_in_send"):
                     d.own_in_send = own
+                if staged:
+                    d.stage_own_rows = stage
                 wrong = check(label)
             ms = kernel_ms(comm, d, x, idx, args.iters)
             rows.append((label, ms, wrong))
@@ -244,6 +251,8 @@ def main():
             d._shapes.clear()
         if hasattr(d, "own_in_send"):
             d.own_in_send = False
+        if staged:
+            d.stage_own_rows = True
         if hasattr(d, "fuse_release"):
             d.fuse_release = True
             check("default again")
@@ -260,6 +269,10 @@ def main():
             d.own_in_send = True
             odd_wrong += comm.allreduce(wrong_bits(svc.dispatch(x, odd, w, "direct"), odd_ref))
             d.own_in_send = False
+        if staged:  # and with the own rows stored by the warps
+            d.stage_own_rows = False
+            odd_wrong += comm.allreduce(wrong_bits(svc.dispatch(x, odd, w, "direct"), odd_ref))
+            d.stage_own_rows = True
         bad += odd_wrong
         svc.check()
         M = int(ref[1][-1])
@@ -280,7 +293,8 @@ def main():
             for label, ms, wr in rows:
                 print(f"{label:<26}" + "".join(f"{ms.get(n, 0.0) * 1e3:>14.1f}" for n in names) + f"{wr:>8}")
             print("# times in us; each kernel's is from its launch to the next kernel's on the stream")
-            print(f"routing with repeated experts and unused slots (own_in_send off and on, where it exists): "
+            print(f"routing with repeated experts and unused slots (own_in_send off and on, own rows staged "
+                  f"and not, where they exist): "
                   f"#wrong {odd_wrong}")
             if phases:
                 print("move, default grid, from its first block's start (us): "

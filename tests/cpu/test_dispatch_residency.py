@@ -33,3 +33,23 @@ def test_move_grid_fits_three_blocks_an_sm(variant, tmp_path, monkeypatch):
     per_warp = -(-regs * 32 // ALLOCATION_UNIT) * ALLOCATION_UNIT
     per_block = per_warp * (MOVE_THREADS // 32)
     assert REGISTERS_PER_SM // per_block >= BLOCKS_PER_SM, (variant, regs)
+
+
+# Hopper (H100, H200): 227 KB a block at most, 228 KB an SM.
+H200_BLOCK_OPTIN, H200_PER_SM = 232448, 233472
+
+
+def test_own_row_staging_leaves_three_blocks_an_sm():
+    from epserve.dispatch.direct import MOVE_BLOCKS_PER_SM, RESERVED_SHARED_PER_BLOCK, own_row_staging_bytes
+    from epserve.ffn.fp8 import packed_row_bytes
+
+    static = 1100  # about the move kernel's own (expand_tokens' source tables, the last-block flag)
+    dsv3 = packed_row_bytes(7168) // 2
+    assert own_row_staging_bytes(dsv3, static, H200_BLOCK_OPTIN, H200_PER_SM) == 8 * packed_row_bytes(7168)
+    for cols in (1024, 2048, 4096, 7168, 8192, 16384):
+        hidden = packed_row_bytes(cols) // 2
+        staging = own_row_staging_bytes(hidden, static, H200_BLOCK_OPTIN, H200_PER_SM)
+        assert staging in (0, 8 * packed_row_bytes(cols))
+        assert MOVE_BLOCKS_PER_SM * (staging + static + RESERVED_SHARED_PER_BLOCK) <= H200_PER_SM
+    # rows too wide for three blocks' staging: none, the warps store them
+    assert own_row_staging_bytes(packed_row_bytes(16384) // 2, static, H200_BLOCK_OPTIN, H200_PER_SM) == 0

@@ -2,7 +2,8 @@
 (launch/jobs/time_dispatch.py's checks, a routing with repeated experts and unused slots among
 them), at token counts that give the count kernel one CTA and several, the last one partial
 (each count CTA scans its own chunks, cuda/comm/dispatch_route.cuh, count_chunks): every row,
-expert offset and src_info equal, bf16 rows and the FP8 move that quantizes."""
+expert offset and src_info equal, bf16 rows and the FP8 move that quantizes (its own rows
+staged for the bulk copy engine, the default, and stored by the warps)."""
 
 import subprocess
 import sys
@@ -16,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
 
-@pytest.mark.parametrize("preset,tokens", [("dsv3-prefill", 5000), ("dsv3-prefill-fp8", 5000), ("dsv3-decode", 100)])
+@pytest.mark.parametrize("preset,tokens", [("dsv3-prefill", 5000), ("dsv3-prefill-fp8", 5000), ("dsv3-decode", 100),
+                                           ("dsv3-decode-fp8", 100)])
 def test_direct_dispatch_route_equals_the_host_plan(preset, tokens):
     chunks = -(-tokens // CHUNK)
     assert count_ctas(chunks) == (5 if tokens == 5000 else 1)  # several count CTAs, the last partial; or one
@@ -27,5 +29,6 @@ def test_direct_dispatch_route_equals_the_host_plan(preset, tokens):
     out = proc.stdout + proc.stderr
     # time_dispatch exits 1 when any check found a wrong byte
     assert proc.returncode == 0, out[-6000:]
-    assert "NCCL dispatch #wrong 0" in out and "unused slots (own_in_send off and on, where it exists): #wrong 0" in out, \
-        out[-6000:]
+    assert "NCCL dispatch #wrong 0" in out and "where they exist): #wrong 0" in out, out[-6000:]
+    if preset.endswith("-fp8"):  # the quantizing move's own rows, staged for the bulk copies and by the warps
+        assert "own rows by the warps" in out, out[-6000:]
