@@ -140,7 +140,10 @@ def move_phases(comm, d, x, idx, T: int, iters: int) -> dict:
     send = max(1, min(d.send_blocks_max, (T + 7) // 8))
     grid = send + d.expand_blocks
     saved = getattr(d, attr)
-    setattr(d, attr, mod.get_function("epserve_dispatch_move"))
+    stamped = mod.get_function("epserve_dispatch_move")
+    if attr == "_move_quantize" and getattr(d, "_staging_bytes", 0):  # the own rows' staging, as the shipped build
+        stamped.max_dynamic_shared_size_bytes = d._staging_bytes
+    setattr(d, attr, stamped)
     out = {"send end": [], "own rows done": [], "expand end": [], "median send block end": []}
     try:
         for _ in range(iters):
