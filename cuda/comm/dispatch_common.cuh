@@ -240,13 +240,20 @@ __device__ __forceinline__ void quantize_row_to_many(uint4* my_dst, unsigned lan
 // engine: each lane of `lanes` copies it to its my_dst by one cp.async.bulk. The engine
 // writes whole 128-byte lines, where the warps' 16-byte stores to 4-8 rows at once left the
 // writes ~9% slower (notes/dispatch.md, twentieth session). The staging row is rewritten
-// only once the engine has read it (the wait at the start); bulk_wait<0> before the
-// kernel's end makes the writes complete.
+// only once the engine has read it; bulk_wait<0> before the kernel's end makes the writes
+// complete.
 __device__ __forceinline__ void quantize_row_to_many_staged(uint4* my_dst, unsigned lanes, const bf16_t* src,
                                                             int cols, int row16, int lane, uint4* staging) {
-  bulk_wait_read<0>();  // this lane's copies of the previous row have read the staging row
-  __syncwarp();
-  quantize_row(src, cols, row16, lane, [&](auto store) { store(staging); });
+  bool read = false;  // whether the engine has read the previous row: waited for at the first store, so the
+                     // first pass's loads are in flight meanwhile
+  quantize_row(src, cols, row16, lane, [&](auto store) {
+    if (!read) {
+      bulk_wait_read<0>();  // this lane's copies of the previous row
+      __syncwarp();
+      read = true;
+    }
+    store(staging);
+  });
   fence_proxy_async_shared();  // this lane's stores, before the engine reads them
   __syncwarp();
   if (lanes >> lane & 1) {

@@ -120,10 +120,12 @@ class DirectDispatcher:
         # stage_own_rows: the quantizing move stages each of this rank's own rows in shared
         # memory and the bulk copy engine writes its expert rows (quantize_row_to_many_staged);
         # off, the warps store them. The same bits either way; launch/jobs/time_dispatch.py
-        # times both. Where the staging rows would not leave the move's three blocks an SM
-        # (wide rows), it is off.
+        # times both. Off by default: on an H100 the move took 138 us staged against 129 by
+        # the warps (dsv3-prefill-fp8, 4096 tokens, one rank; notes/dispatch.md, thirty-first
+        # session); an H200 microbench had it 9% faster. It has no effect where the staging
+        # rows would not leave the move's three blocks an SM (_staging_bytes 0: wide rows).
         self._staging_bytes = self._own_row_staging_bytes() if quantize_cols else 0
-        self.stage_own_rows = self._staging_bytes > 0
+        self.stage_own_rows = False
         self._release = mod.get_function("epserve_dispatch_release")
         self._sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         # Nothing in it changes between calls (the epoch is on the device): packed and wrapped once.

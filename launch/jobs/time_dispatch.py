@@ -14,7 +14,7 @@ times, the slowest rank reported:
 and, where the dispatcher has them (send_blocks_max, expand_blocks, fuse_release,
 stage_own_rows, own_in_send), the same per kernel for each move grid in --grids (send blocks :
 expand blocks), with the release kernel instead of the move kernel's last block, with the
-quantizing move's own rows stored by the warps instead of staged for the bulk copy engine,
+quantizing move's own rows staged for the bulk copy engine and stored by the warps,
 and with the send warps storing this rank's own expert rows (own_in_send) for the default grid
 and each in --own-grids; then the
 move kernel's phases (the default configuration), from a build
@@ -141,7 +141,7 @@ def move_phases(comm, d, x, idx, T: int, iters: int) -> dict:
     grid = send + d.expand_blocks
     saved = getattr(d, attr)
     stamped = mod.get_function("epserve_dispatch_move")
-    if attr == "_move_quantize" and getattr(d, "_staging_bytes", 0):  # the own rows' staging, as the shipped build
+    if attr == "_move_quantize" and getattr(d, "_staging_bytes", 0):  # where the own rows may be staged
         stamped.max_dynamic_shared_size_bytes = d._staging_bytes
     setattr(d, attr, stamped)
     out = {"send end": [], "own rows done": [], "expand end": [], "median send block end": []}
@@ -223,14 +223,16 @@ def main():
             return [tuple(int(v) for v in spec.split(":")) for spec in filter(None, specs.split(","))]
 
         # (label, grid or None for the default, own_in_send, fuse_release, stage_own_rows)
-        staged = getattr(d, "stage_own_rows", False)
+        staged = getattr(d, "stage_own_rows", False)  # the default's
+        stageable = getattr(d, "_staging_bytes", 0) > 0  # the quantizing move can stage its own rows
         configs = [("default", None, False, True, staged)]
         if default[0] is not None:
             configs[0] = (f"default {default[0]}:{default[1]}", None, False, True, staged)
             configs += [(f"{s}:{e}", (s, e), False, True, staged) for s, e in parse(args.grids)]
         if hasattr(d, "fuse_release"):
             configs.append(("default, release kernel", None, False, False, staged))
-        if staged:  # the quantizing move's own rows stored by the warps, not staged for the bulk copies
+        if stageable:  # the quantizing move's own rows staged for the bulk copy engine, and stored by the warps
+            configs.append(("own rows staged", None, False, True, True))
             configs.append(("own rows by the warps", None, False, True, False))
         if hasattr(d, "own_in_send"):
             configs.append((f"own in send {default[0]}:{default[1]}", None, True, True, staged))
@@ -244,7 +246,7 @@ def main():
                     d.fuse_release = fused
                 if hasattr(d, "own_in_send"):
                     d.own_in_send = own
-                if staged:
+                if stageable:
                     d.stage_own_rows = stage
                 wrong = check(label)
             ms = kernel_ms(comm, d, x, idx, args.iters)
@@ -254,8 +256,8 @@ def main():
             d._shapes.clear()
         if hasattr(d, "own_in_send"):
             d.own_in_send = False
-        if staged:
-            d.stage_own_rows = True
+        if stageable:
+            d.stage_own_rows = staged
         if hasattr(d, "fuse_release"):
             d.fuse_release = True
             check("default again")
@@ -272,10 +274,10 @@ def main():
             d.own_in_send = True
             odd_wrong += comm.allreduce(wrong_bits(svc.dispatch(x, odd, w, "direct"), odd_ref))
             d.own_in_send = False
-        if staged:  # and with the own rows stored by the warps
-            d.stage_own_rows = False
+        if stageable:  # and with the own rows staged and not
+            d.stage_own_rows = not staged
             odd_wrong += comm.allreduce(wrong_bits(svc.dispatch(x, odd, w, "direct"), odd_ref))
-            d.stage_own_rows = True
+            d.stage_own_rows = staged
         bad += odd_wrong
         svc.check()
         M = int(ref[1][-1])

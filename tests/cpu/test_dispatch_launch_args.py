@@ -135,7 +135,7 @@ def direct_dispatcher(fuse_release: bool, own_in_send: bool, quantize_cols: int 
     d._max_chunks_arg = by_value(T // 32)
     d.fuse_release, d.own_in_send = fuse_release, own_in_send
     d._staging_bytes = 8 * 2 * width if quantize_cols else 0  # a packed row a warp (own_row_staging_bytes)
-    d.stage_own_rows = bool(quantize_cols)
+    d.stage_own_rows = False
     d.launches = Recorder()
     return d
 
@@ -177,7 +177,7 @@ def test_quantizing_direct_launches_match_their_kernels(ptx, quantize_ptx, fakes
     check(quantize_ptx, [move])
     assert move[0] is d._move_quantize
     assert move[3][-1] is d._x_cols and int(move[3][-1][0]) == hidden
-    assert move[4] == 8 * 2 * d.H  # the staging rows of the own rows (own_row_staging in dispatch.cu)
+    assert move[4] == 0  # the own rows stored by the warps (stage_own_rows off): no staging rows
     assert len(param_sizes(quantize_ptx, "epserve_dispatch_move")) == len(param_sizes(ptx, "epserve_dispatch_move")) + 1
     with pytest.raises(ValueError, match="rows of"):  # packed rows where bf16 tokens are due
         d.enqueue(Device((T, d.H)), Device((T, K)))
@@ -186,10 +186,10 @@ def test_quantizing_direct_launches_match_their_kernels(ptx, quantize_ptx, fakes
     d.enqueue(Device((T, d.H)), Device((T, K)), arm_combine=arm)
     assert d.launches.specs[2][0] is d._move and d.launches.specs[2][4] == 0
     check(ptx, d.launches.specs)
-    d.quantize_in_send, d.stage_own_rows = True, False  # the own rows by the warps: no staging
+    d.quantize_in_send, d.stage_own_rows = True, True  # the own rows staged: a packed row a warp
     d.launches.specs = []
     d.enqueue(Device((T, hidden)), Device((T, K)), arm_combine=arm)
-    assert d.launches.specs[2][0] is d._move_quantize and d.launches.specs[2][4] == 0
+    assert d.launches.specs[2][0] is d._move_quantize and d.launches.specs[2][4] == 8 * 2 * d.H
 
 
 def test_quantize_build_differs_only_in_the_move(ptx, quantize_ptx):

@@ -3,7 +3,7 @@
 them), at token counts that give the count kernel one CTA and several, the last one partial
 (each count CTA scans its own chunks, cuda/comm/dispatch_route.cuh, count_chunks): every row,
 expert offset and src_info equal, bf16 rows and the FP8 move that quantizes (its own rows
-staged for the bulk copy engine, the default, and stored by the warps)."""
+stored by the warps, the default, and staged for the bulk copy engine)."""
 
 import subprocess
 import sys
@@ -31,4 +31,4 @@ def test_direct_dispatch_route_equals_the_host_plan(preset, tokens):
     assert proc.returncode == 0, out[-6000:]
     assert "NCCL dispatch #wrong 0" in out and "where they exist): #wrong 0" in out, out[-6000:]
     if preset.endswith("-fp8"):  # the quantizing move's own rows, staged for the bulk copies and by the warps
-        assert "own rows by the warps" in out, out[-6000:]
+        assert "own rows staged " in out and "own rows by the warps" in out, out[-6000:]
