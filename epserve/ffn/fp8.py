@@ -121,6 +121,7 @@ def quantize_rows_spec(x, q, scales, rows: int) -> tuple:
 
 
 PACKED_ROW_ALIGN = 128  # bytes: a packed row starts on a 128-byte line
+UNPACK_TILE = 32  # kUnpackTile in quantize_fp8.cu: rows and k-blocks of one transposed tile
 
 
 def packed_row_bytes(hidden: int) -> int:
@@ -162,8 +163,8 @@ def unpack_row_scales_spec(packed, hidden: int, scales, rows: int, row_count=Non
     if scales.shape[0] != hidden // BLOCK or scales.shape[1] < rows or scales.shape[1] % 4:
         raise ValueError(f"scales {scales.shape} cannot hold [{hidden // BLOCK}, >= {rows}] with a pitch of 4n floats")
     fn = kernels.function("quantize_fp8", "epserve_unpack_row_scales_fp8")
-    n = max(1, rows * (hidden // BLOCK))
-    grid = max(1, min((n + 255) // 256, sm_count(cupy.cuda.runtime.getDevice()) * 8))
+    tiles = -(-rows // UNPACK_TILE) * -(-(hidden // BLOCK) // UNPACK_TILE)  # kUnpackTile rows x k-blocks each
+    grid = max(1, min(tiles, sm_count(cupy.cuda.runtime.getDevice()) * 8))
     return (fn, (grid,), (256,), (packed, _i64(rows), i32(hidden), _i64(row_bytes), scales, _i64(scales.shape[1]),
                                   pointer(row_count)), 0)
 
