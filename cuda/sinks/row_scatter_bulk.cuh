@@ -49,7 +49,11 @@ __device__ void publish_bulk_rows(BulkPending& pending, const unsigned int* next
 // scatter_rows_to_peers' rows and slots, sent with bulk copies from the shared tile `src`
 // (rows of `src_ld` elements); returns once the tile may be rewritten. `pending` starts zeroed
 // (zero_bulk_pending) and ends published (flush_bulk_rows).
-template <int kNumThreads, int kMaxRows, int kBarrierId>
+// kOwnRowsOnly (EPSERVE_SINK_STORES=own-bulk): only the rows whose home is this rank go by
+// bulk copies, published a tile later; the other ranks' rows (and another node's) go by the
+// threads' 16-byte stores and are published at once, as scatter_rows_to_peers does. The
+// engine then writes only to this GPU's memory, and the NVLink path is the default's.
+template <int kNumThreads, int kMaxRows, int kBarrierId, bool kOwnRowsOnly = false>
 __device__ void scatter_tile_rows_bulk(const bf16_t* src, int src_ld, int rows, int cols, int m0, int col0,
                                        const PeerSendConfig& cfg, BulkPending& pending, int tid) {
   __shared__ bf16_t* row_dst[kMaxRows];
@@ -58,16 +62,31 @@ __device__ void scatter_tile_rows_bulk(const bf16_t* src, int src_ld, int rows, 
   __shared__ unsigned int peer_units[EPSERVE_MAX_PEERS];
   __shared__ int peer_ok[EPSERVE_MAX_PEERS + 1];
   plan_rows_to_peers<kNumThreads, kBarrierId>(rows, m0, col0, cfg, tid, row_dst, row_peer, peer_rows, peer_ok);
-  if (tid < cfg.ranks_per_node) peer_units[tid] = peer_ok[tid] ? peer_rows[tid] * (cols / 64) : 0;
+  const int self = cfg.rank - cfg.node_first;  // this rank's local index
+  auto by_bulk = [&](int p) { return !kOwnRowsOnly || p == self; };
+  if (tid < cfg.ranks_per_node) peer_units[tid] = peer_ok[tid] && by_bulk(tid) ? peer_rows[tid] * (cols / 64) : 0;
   // (publish_bulk_rows' first barrier orders peer_units before its readers)
 
   const uint32_t bytes = static_cast<uint32_t>(cols) * 2;
   for (int r = tid; r < rows; r += kNumThreads) {
     bf16_t* dst = row_dst[r];
-    if (dst == nullptr || !peer_ok[row_peer[r]]) continue;
+    if (dst == nullptr || !peer_ok[row_peer[r]] || !by_bulk(row_peer[r])) continue;
     bulk_copy_shared_to_global(dst, src + static_cast<long long>(r) * src_ld, bytes);
   }
-  bulk_commit();        // one group a tile a thread (maybe empty), so wait_group counts tiles
+  bulk_commit();  // one group a tile a thread (maybe empty), so wait_group counts tiles
+  if constexpr (kOwnRowsOnly) {
+    const int chunks_per_row = cols / 8;
+    for (int c = tid; c < rows * chunks_per_row; c += kNumThreads) {
+      const int r = c / chunks_per_row, k8 = (c - r * chunks_per_row) * 8;
+      bf16_t* dst = row_dst[r];
+      if (dst == nullptr || !peer_ok[row_peer[r]] || by_bulk(row_peer[r])) continue;
+      st_v4(dst + k8, ld_v4(src + static_cast<long long>(r) * src_ld + k8));
+    }
+    fence_acq_rel_sys();
+    named_barrier_sync<kBarrierId, kNumThreads>();
+    if (tid < cfg.ranks_per_node && tid != self && peer_rows[tid] > 0 && peer_ok[tid])
+      red_release_sys_add(cfg.arrive[tid] + cfg.rank, static_cast<unsigned long long>(peer_rows[tid]) * (cols / 64));
+  }
   bulk_wait_read<0>();  // the engine has read this thread's rows: the tile may be rewritten
   // The previous tile's units, now that every older group is complete; this tile's wait.
   publish_bulk_rows<kNumThreads, 1, kBarrierId>(pending, peer_units, cfg, tid);

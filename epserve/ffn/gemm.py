@@ -57,15 +57,18 @@ def gemm_impl() -> str:
     return impl
 
 
-PEER_STORES = ("warps", "bulk")
+PEER_STORES = ("warps", "bulk", "own-bulk")
+_PEER_BUILD = {"warps": "peer", "bulk": "peer_bulk", "own-bulk": "peer_ownbulk"}
 
 
 def peer_stores() -> str:
     """How GEMM 2's peer sink moves its tiles: $EPSERVE_SINK_STORES, "warps" (the send warps'
-    16-byte stores and a system-scope fence a tile; the default) or "bulk" (bulk asynchronous
+    16-byte stores and a system-scope fence a tile; the default), "bulk" (bulk asynchronous
     copies, each tile's arrival published one tile later: cuda/sinks/row_scatter_bulk.cuh;
-    opt-in until measured on two GPUs). The same bytes in the same slots either way, so the
-    ranks need not agree. The overlap build (EPSERVE_OFFNODE_OVERLAP=1) always uses "warps"."""
+    opt-in until measured on two GPUs) or "own-bulk" (bulk copies for the rows whose home is
+    this rank, the send warps' stores for the other ranks'). The same bytes in the same slots
+    either way, so the ranks need not agree. The overlap build (EPSERVE_OFFNODE_OVERLAP=1)
+    always uses "warps"."""
     stores = os.environ.get("EPSERVE_SINK_STORES", "warps")
     if stores not in PEER_STORES:
         raise ConfigError(f"EPSERVE_SINK_STORES must be one of {PEER_STORES}, got {stores!r}")
@@ -79,7 +82,7 @@ def peer_variant(sink: str) -> str:
     """The variant name part of `sink` for GEMM 2 (peer_stores says which peer build)."""
     if sink != "peer":
         return sink
-    name = "peer_bulk" if peer_stores() == "bulk" else "peer"
+    name = _PEER_BUILD[peer_stores()]
     PEER_BUILDS_USED.add(name)
     return name
 

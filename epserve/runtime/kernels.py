@@ -24,6 +24,7 @@ OFF_NODE_DEDUP_SOURCE = "comm/off_node_dedup.cu"  # the relay with each token on
 # each off-node home, and the tiles of m-tiles holding such rows go first (a permutation).
 OVERLAP = {"EPSERVE_SINK": "EpPeerSinkCountingOffNode", "EPSERVE_GEMM_OFFNODE_FIRST": 1}
 BULK = {"EPSERVE_SINK": "EpPeerSinkBulk", "EPSERVE_SINK_BULK": 1}
+OWN_BULK = {"EPSERVE_SINK": "EpPeerSinkBulk", "EPSERVE_SINK_BULK": 2}  # only this rank's own rows by bulk copies
 FP8_GEMM_SOURCE = "gemm/grouped_gemm_fp8.cu"  # block-scaled e4m3 wgmma, the bf16 wgmma GEMM's structure
 # The shipped FP8 GEMM builds' knobs: split tails, padding rows loaded as zeros, tiles handed
 # out by L2 side (epserve/runtime/l2_sides.py writes the side table into each loaded module),
@@ -60,6 +61,10 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     "gemm_wgmma_peer_bulk": (WGMMA_GEMM_SOURCE, BULK),
     "gemm_wgmma_peer_bulk_split": (WGMMA_GEMM_SOURCE, {**BULK, "EPSERVE_GEMM_SPLIT_K": 2}),
     "gemm_fp8_peer_bulk": (FP8_GEMM_SOURCE, {**BULK, **FP8_GEMM2_SHIPPED}),
+    # ... and with bulk copies for this rank's own rows only (EPSERVE_SINK_STORES=own-bulk)
+    "gemm_wgmma_peer_ownbulk": (WGMMA_GEMM_SOURCE, OWN_BULK),
+    "gemm_wgmma_peer_ownbulk_split": (WGMMA_GEMM_SOURCE, {**OWN_BULK, "EPSERVE_GEMM_SPLIT_K": 2}),
+    "gemm_fp8_peer_ownbulk": (FP8_GEMM_SOURCE, {**OWN_BULK, **FP8_GEMM2_SHIPPED}),
     "gemm1_fp8_swiglu": (FP8_GEMM_SOURCE, {"EPSERVE_SINK": SINKS["null"], "EPSERVE_GEMM_SWIGLU": 1, **FP8_SHIPPED}),
     "quantize_fp8": (FP8_QUANTIZE_SOURCE, {}),
     # which L2 side each SM is on, for the FP8 GEMMs' tile order (epserve/runtime/l2_sides.py)

@@ -1,7 +1,8 @@
 """GEMM 2's peer sink builds (epserve/ffn/gemm.py peer_stores, peer_variant), without a GPU:
-EPSERVE_SINK_STORES picks the send warps' stores (default) or the bulk copies, a bad value
-is a ConfigError, the null sink is never the bulk build, and every bulk variant exists with
-the bulk sink and the defines of the build it replaces."""
+EPSERVE_SINK_STORES picks the send warps' stores (default), the bulk copies or the bulk copies
+for this rank's own rows only, a bad value is a ConfigError, the null sink is never a bulk
+build, and every bulk variant exists with the bulk sink and the defines of the build it
+replaces."""
 
 import pytest
 
@@ -24,16 +25,24 @@ def test_bulk_picks_the_bulk_builds(monkeypatch):
     assert "peer_bulk" in gemm.PEER_BUILDS_USED
 
 
+def test_own_bulk_picks_the_own_rows_builds(monkeypatch):
+    monkeypatch.setenv("EPSERVE_SINK_STORES", "own-bulk")
+    assert gemm.peer_variant("peer") == "peer_ownbulk"
+    assert gemm.peer_variant("null") == "null"
+    assert "peer_ownbulk" in gemm.PEER_BUILDS_USED
+
+
 def test_bad_value_is_refused(monkeypatch):
     monkeypatch.setenv("EPSERVE_SINK_STORES", "dma")
     with pytest.raises(ConfigError, match="EPSERVE_SINK_STORES"):
         gemm.peer_variant("peer")
 
 
+@pytest.mark.parametrize("twin,bulk_define", [("peer_bulk", 1), ("peer_ownbulk", 2)])
 @pytest.mark.parametrize("base", ["gemm_wgmma_peer", "gemm_wgmma_peer_split", "gemm_fp8_peer"])
-def test_each_peer_build_has_its_bulk_twin(base):
-    bulk = base.replace("peer", "peer_bulk")
+def test_each_peer_build_has_its_bulk_twins(base, twin, bulk_define):
+    bulk = base.replace("peer", twin)
     source, defines = kernels.VARIANTS[base]
     bulk_source, bulk_defines = kernels.VARIANTS[bulk]
     assert bulk_source == source
-    assert bulk_defines == {**defines, "EPSERVE_SINK": "EpPeerSinkBulk", "EPSERVE_SINK_BULK": 1}
+    assert bulk_defines == {**defines, "EPSERVE_SINK": "EpPeerSinkBulk", "EPSERVE_SINK_BULK": bulk_define}

@@ -14,7 +14,8 @@ two, with one GPU each:
                     (two GPUs only: the race it guards against showed over NVLink only)
 and check_service, check_graph and check_replay once more with GEMM 2's split build forced
 (EPSERVE_GEMM2_SPLIT_K=always): its workspace and flags under forward, graphs and replays;
-and five of them with GEMM 2's peer sink moving tiles by bulk copies (EPSERVE_SINK_STORES=bulk).
+and five of them with GEMM 2's peer sink moving tiles by bulk copies (EPSERVE_SINK_STORES=bulk,
+and own-bulk: only the rows whose home is the sending rank).
 """
 
 import json
@@ -75,14 +76,15 @@ def test_job_passes_with_gemm2_split_in_k_halves(job, monkeypatch):
 @pytest.mark.parametrize("job", ["check_combine.py", "check_service.py", "check_fp8.py", "check_graph.py",
                                  "check_replay.py --fp8"])
 @pytest.mark.parametrize("share_gpu", [True, False], ids=["2-ranks-1-gpu", "2-ranks-2-gpus"])
-def test_job_passes_with_bulk_peer_stores(job, share_gpu, monkeypatch):
-    """GEMM 2's peer sink with bulk asynchronous copies (EPSERVE_SINK_STORES=bulk,
-    cuda/sinks/row_scatter_bulk.cuh): the same bytes in the same slots, each tile's arrival
-    published a tile later, so every bitwise oracle of the jobs holds as is; every rank must
-    have launched the bulk build and no other peer build."""
+@pytest.mark.parametrize("stores,build", [("bulk", "peer_bulk"), ("own-bulk", "peer_ownbulk")])
+def test_job_passes_with_bulk_peer_stores(job, share_gpu, stores, build, monkeypatch):
+    """GEMM 2's peer sink with bulk asynchronous copies (EPSERVE_SINK_STORES=bulk, or own-bulk:
+    only the rows whose home is this rank; cuda/sinks/row_scatter_bulk.cuh): the same bytes in
+    the same slots, the bulk rows' arrival published a tile later, so every bitwise oracle of
+    the jobs holds as is; every rank must have launched that build and no other peer build."""
     if not share_gpu and gpu_count() < 2:
         pytest.skip("needs two GPUs")
-    monkeypatch.setenv("EPSERVE_SINK_STORES", "bulk")
+    monkeypatch.setenv("EPSERVE_SINK_STORES", stores)
     proc, results, planned = run_job(job, share_gpu)
     failures = [r for r in results if not r["ok"]]
     assert proc.returncode == 0 and not failures, proc.stdout[-6000:] + proc.stderr[-6000:]
@@ -90,7 +92,7 @@ def test_job_passes_with_bulk_peer_stores(job, share_gpu, monkeypatch):
     # Each record lists the builds its rank launched so far; the last case's records (one a
     # rank) cover the whole job.
     builds = [r["peer_builds"] for r in results]
-    assert all(set(b) <= {"peer_bulk"} for b in builds) and builds[-2:] == [["peer_bulk"]] * 2, builds
+    assert all(set(b) <= {build} for b in builds) and builds[-2:] == [[build]] * 2, builds
 
 
 def test_fp8_back_to_back_fused_calls_equal_unfused():
