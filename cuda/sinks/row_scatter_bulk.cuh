@@ -74,7 +74,12 @@ __device__ void scatter_tile_rows_bulk(const bf16_t* src, int src_ld, int rows, 
     bulk_copy_shared_to_global(dst, src + static_cast<long long>(r) * src_ld, bytes);
   }
   bulk_commit();  // one group a tile a thread (maybe empty), so wait_group counts tiles
-  if constexpr (kOwnRowsOnly) {
+  // Rows for other homes: another node's (any, where the world spans nodes) or another rank's
+  // of this node. Warp-uniform (shared tables, after plan_rows_to_peers' barrier): a tile with
+  // none pays no system-scope fence (at one rank, none ever does).
+  bool remote = cfg.world > cfg.ranks_per_node;
+  for (int p = 0; p < cfg.ranks_per_node; ++p) remote |= p != self && peer_rows[p] > 0;
+  if (kOwnRowsOnly && remote) {
     const int chunks_per_row = cols / 8;
     for (int c = tid; c < rows * chunks_per_row; c += kNumThreads) {
       const int r = c / chunks_per_row, k8 = (c - r * chunks_per_row) * 8;
