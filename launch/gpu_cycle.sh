@@ -17,11 +17,11 @@
 #                                              # under GEMM 2, <= 9 min
 #   bash launch/gpu_cycle.sh tests-x2          # two GPUs, the other 2-gpus tests, <= 9 min
 #   bash launch/gpu_cycle.sh fp8-race          # two GPUs, the FP8 GEMM's stage release fix, <= 8 min
-#   bash launch/gpu_cycle.sh sink-bulk         # GEMM 2's peer sink by bulk copies: its jobs, then the bench
-#                                              # with each sink build (the timing needs two GPUs), <= 8 min
+#   bash launch/gpu_cycle.sh sink-bulk         # GEMM 2's peer sink builds: the bulk ones' jobs on two GPUs,
+#                                              # then the bench with each sink build, <= 9 min
 #   bash launch/gpu_cycle.sh fp8-x2            # two GPUs, issue 16's open questions in one call: the bench's
-#                                              # FP8 and bf16 presets with each sink build, the targets, the
-#                                              # FP8 stage-release race job, <= 9.5 min
+#                                              # FP8 and bf16 presets with each sink build, the targets,
+#                                              # <= 9.5 min
 #   bash launch/gpu_cycle.sh rank-of-2         # one GPU standing in for a rank of two: the dsv3 presets
 #                                              # with 128 experts (bench --as-rank-of 2), ~1.5 min
 #   bash launch/gpu_cycle.sh gemm-ab           # one GPU: the FP8 GEMMs' knob builds against the shipped one,
@@ -174,42 +174,41 @@ sm__cycles_elapsed.avg.per_second,lts__t_sectors_op_read.sum,dram__bytes_read.su
             stage fp8-race-bench "^  dsv3|#wrong" timeout -k 10 120 env PYTHONPATH=. python3 launch/run.py -n 2 \
                 --timeout 110 -- python3 -m mpi4py -m epserve.bench --presets dsv3-prefill-fp8 --routing \
                 balanced,skewed --tokens 1024,2048 --iters 10 --warmup 3 --out "$out/fp8-race-bench" ;;
-        # GEMM 2's peer sink by bulk copies (EPSERVE_SINK_STORES=bulk, notes/gemm.md "GEMM 2 + fused
-        # combine, taken apart"), <= 8 min: its jobs bitwise (one GPU shared, and one GPU each
-        # where there are two), then the bench's gemm2 / fused / layer rows with each sink build.
+        # GEMM 2's peer sink builds (EPSERVE_SINK_STORES own-bulk, the default, warps and bulk;
+        # notes/gemm.md "GEMM 2 + fused combine, taken apart" and thirty-first session), <= 9 min:
+        # the bulk builds' jobs bitwise on two GPUs, then the bench's gemm2 / fused / layer rows
+        # with each sink build.
         sink-bulk) export NCCL_NVLS_ENABLE=0
-            stage sink-bulk-tests "passed|failed|FAILED|SKIPPED|ERROR|timed out" timeout -k 10 300 env PYTHONPATH=. \
-                python3 -m pytest -m gpu tests/gpu/test_two_ranks.py -q -rs -k bulk -p no:cacheprovider
+            stage sink-bulk-tests "passed|failed|FAILED|SKIPPED|ERROR|timed out" timeout -k 10 240 env PYTHONPATH=. \
+                python3 -m pytest -m gpu tests/gpu/test_two_ranks.py -q -rs -k "bulk and 2-gpus" -p no:cacheprovider
             keep=$status
-            for stores in warps bulk; do
-                stage "sink-bulk-bench-$stores" "^  dsv3|#wrong" timeout -k 10 150 env PYTHONPATH=. \
-                    EPSERVE_SINK_STORES=$stores python3 launch/run.py -n "$gpus" --timeout 140 -- python3 -m mpi4py \
+            for stores in own-bulk warps bulk; do
+                stage "sink-bulk-bench-$stores" "^  dsv3|#wrong" timeout -k 10 100 env PYTHONPATH=. \
+                    EPSERVE_SINK_STORES=$stores python3 launch/run.py -n "$gpus" --timeout 90 -- python3 -m mpi4py \
                     -m epserve.bench --presets dsv3-prefill,dsv3-prefill-fp8 --routing balanced --tokens 4096 \
                     --iters 10 --warmup 3 --out "$out/sink-bulk-$stores"
                 keep=$((keep || status))
             done
             status=$keep ;;
-        # Issue 16 on two GPUs in one device call (notes/dispatch.md and notes/gemm.md, twentieth
-        # session): the bench with the shipped sink (FP8 and bf16 presets, prefill 4096 and decode
-        # 128: every target, the dispatch-layer ratio, #wrong bitwise), the prefill presets again
-        # with the bulk sink (its NVLink stores: fused and layer-fused against the first run, #wrong),
-        # the targets of each, then the FP8 stage-release race job; all within FP8_X2_BUDGET_S.
+        # Issue 16 on two GPUs in one device call (notes/dispatch.md and notes/gemm.md, twentieth and
+        # thirty-first sessions): the bench with the shipped sink (own-bulk; FP8 and bf16 presets,
+        # prefill 4096 and decode 128: every target, the dispatch-layer ratio, #wrong bitwise), then
+        # dsv3-prefill-fp8 with the send warps' stores and with bulk copies for every row (fused and
+        # layer-fused against the first run, #wrong), the targets of each; all within
+        # FP8_X2_BUDGET_S. The FP8 stage-release race job is stage fp8-race.
         fp8-x2)
             export NCCL_NVLS_ENABLE=0
             deadline=$((SECONDS + ${FP8_X2_BUDGET_S:-560})) summary_lines=80
             rows="^# (preset|  )|^  [a-z]|#wrong|Error|timed out"
-            for stores in warps bulk; do
-                if [ $stores = warps ]; then presets=dsv3-prefill-fp8,dsv3-prefill,dsv3-decode-fp8,dsv3-decode tokens=4096,128 t=$(within 215)
-                else presets=dsv3-prefill-fp8,dsv3-prefill tokens=4096 t=$(within 140); fi
+            for stores in own-bulk warps bulk; do
+                if [ $stores = own-bulk ]; then presets=dsv3-prefill-fp8,dsv3-prefill,dsv3-decode-fp8,dsv3-decode tokens=4096,128 t=$(within 215)
+                else presets=dsv3-prefill-fp8 tokens=4096 t=$(within 120); fi
                 stage "fp8-x2-bench-$stores" "$rows" timeout -k 10 "$t" env PYTHONPATH=. EPSERVE_SINK_STORES=$stores \
                     python3 launch/run.py -n 2 --timeout $((t - 15)) -- python3 -m mpi4py -m epserve.bench \
                     --presets $presets --routing balanced --tokens $tokens --iters 10 --warmup 3 --out "$out/fp8-x2-$stores"
                 stage "fp8-x2-targets-$stores" "^#|^  " env PYTHONPATH=. python3 -m epserve.bench.targets \
                     "$out/fp8-x2-$stores/bench.json"
             done
-            t=$(within 200)
-            stage fp8-x2-race "passed|failed|FAIL|wrong|differ|# |timed out" timeout -k 10 "$t" env PYTHONPATH=. \
-                python3 launch/run.py -n 2 --timeout $((t - 15)) -- python3 -m mpi4py launch/jobs/check_fp8_race.py
             summary_lines=40 ;;
         # The two-GPU tests other than the across-nodes ones (review-x2 runs those), <= 9 min.
         tests-x2) export NCCL_NVLS_ENABLE=0

@@ -62,14 +62,15 @@ _PEER_BUILD = {"warps": "peer", "bulk": "peer_bulk", "own-bulk": "peer_ownbulk"}
 
 
 def peer_stores() -> str:
-    """How GEMM 2's peer sink moves its tiles: $EPSERVE_SINK_STORES, "warps" (the send warps'
-    16-byte stores and a system-scope fence a tile; the default), "bulk" (bulk asynchronous
-    copies, each tile's arrival published one tile later: cuda/sinks/row_scatter_bulk.cuh;
-    opt-in until measured on two GPUs) or "own-bulk" (bulk copies for the rows whose home is
-    this rank, the send warps' stores for the other ranks'). The same bytes in the same slots
-    either way, so the ranks need not agree. The overlap build (EPSERVE_OFFNODE_OVERLAP=1)
-    always uses "warps"."""
-    stores = os.environ.get("EPSERVE_SINK_STORES", "warps")
+    """How GEMM 2's peer sink moves its tiles: $EPSERVE_SINK_STORES,
+    - "own-bulk" (the default): the rows whose home is this rank by bulk asynchronous copies,
+      their arrival published one tile later, the other ranks' rows by the send warps'
+      16-byte stores and a system-scope fence a tile (cuda/sinks/row_scatter_bulk.cuh);
+    - "warps": every row by the send warps' stores;
+    - "bulk": every row by bulk copies (opt-in until measured on two GPUs).
+    The same bytes in the same slots either way, so the ranks need not agree. The overlap
+    build (EPSERVE_OFFNODE_OVERLAP=1) always uses "warps"."""
+    stores = os.environ.get("EPSERVE_SINK_STORES", "own-bulk")
     if stores not in PEER_STORES:
         raise ConfigError(f"EPSERVE_SINK_STORES must be one of {PEER_STORES}, got {stores!r}")
     return stores

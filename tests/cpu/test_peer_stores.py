@@ -1,6 +1,6 @@
 """GEMM 2's peer sink builds (epserve/ffn/gemm.py peer_stores, peer_variant), without a GPU:
-EPSERVE_SINK_STORES picks the send warps' stores (default), the bulk copies or the bulk copies
-for this rank's own rows only, a bad value is a ConfigError, the null sink is never a bulk
+EPSERVE_SINK_STORES picks the bulk copies for this rank's own rows only (default), the send
+warps' stores or the bulk copies for every row, a bad value is a ConfigError, the null sink is never a bulk
 build, and every bulk variant exists with the bulk sink and the defines of the build it
 replaces."""
 
@@ -11,9 +11,15 @@ from epserve.ffn import gemm
 from epserve.runtime import kernels
 
 
-def test_default_is_the_send_warps(monkeypatch):
+def test_default_is_own_rows_by_bulk_copies(monkeypatch):
     monkeypatch.delenv("EPSERVE_SINK_STORES", raising=False)
-    assert gemm.peer_stores() == "warps"
+    assert gemm.peer_stores() == "own-bulk"
+    assert gemm.peer_variant("peer") == "peer_ownbulk"
+    assert gemm.peer_variant("null") == "null"
+
+
+def test_warps_picks_the_send_warps_builds(monkeypatch):
+    monkeypatch.setenv("EPSERVE_SINK_STORES", "warps")
     assert gemm.peer_variant("peer") == "peer"
     assert gemm.peer_variant("null") == "null"
 

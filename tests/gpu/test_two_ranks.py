@@ -14,8 +14,9 @@ two, with one GPU each:
                     (two GPUs only: the race it guards against showed over NVLink only)
 and check_service, check_graph and check_replay once more with GEMM 2's split build forced
 (EPSERVE_GEMM2_SPLIT_K=always): its workspace and flags under forward, graphs and replays;
-and five of them with GEMM 2's peer sink moving tiles by bulk copies (EPSERVE_SINK_STORES=bulk,
-and own-bulk: only the rows whose home is the sending rank).
+and five of them with each of GEMM 2's peer sink builds named (EPSERVE_SINK_STORES=own-bulk,
+the default: bulk copies for the rows whose home is the sending rank; warps: the send warps'
+stores; bulk: bulk copies for every row).
 """
 
 import json
@@ -76,12 +77,14 @@ def test_job_passes_with_gemm2_split_in_k_halves(job, monkeypatch):
 @pytest.mark.parametrize("job", ["check_combine.py", "check_service.py", "check_fp8.py", "check_graph.py",
                                  "check_replay.py --fp8"])
 @pytest.mark.parametrize("share_gpu", [True, False], ids=["2-ranks-1-gpu", "2-ranks-2-gpus"])
-@pytest.mark.parametrize("stores,build", [("bulk", "peer_bulk"), ("own-bulk", "peer_ownbulk")])
-def test_job_passes_with_bulk_peer_stores(job, share_gpu, stores, build, monkeypatch):
-    """GEMM 2's peer sink with bulk asynchronous copies (EPSERVE_SINK_STORES=bulk, or own-bulk:
-    only the rows whose home is this rank; cuda/sinks/row_scatter_bulk.cuh): the same bytes in
-    the same slots, the bulk rows' arrival published a tile later, so every bitwise oracle of
-    the jobs holds as is; every rank must have launched that build and no other peer build."""
+@pytest.mark.parametrize("stores,build", [("own-bulk", "peer_ownbulk"), ("warps", "peer"), ("bulk", "peer_bulk")])
+def test_job_passes_with_each_peer_store_build(job, share_gpu, stores, build, monkeypatch):
+    """GEMM 2's peer sink with each way of moving its rows (EPSERVE_SINK_STORES: own-bulk, the
+    default, bulk copies for the rows whose home is this rank; warps, the send warps' stores
+    for every row; bulk, bulk copies for every row; cuda/sinks/row_scatter_bulk.cuh): the same
+    bytes in the same slots, the bulk rows' arrival published a tile later, so every bitwise
+    oracle of the jobs holds as is; every rank must have launched that build and no other
+    peer build."""
     if not share_gpu and gpu_count() < 2:
         pytest.skip("needs two GPUs")
     monkeypatch.setenv("EPSERVE_SINK_STORES", stores)
