@@ -56,12 +56,12 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     # past an expert's end loaded as zeros: epserve/ffn/gemm_fp8.py KNOBS
     **{f"gemm_fp8_{sink}": (FP8_GEMM_SOURCE, {"EPSERVE_SINK": cls, **FP8_GEMM2_SHIPPED})
        for sink, cls in SINKS.items()},
-    # GEMM 2's peer sink with bulk asynchronous copies (EPSERVE_SINK_STORES=bulk, opt-in:
-    # epserve/ffn/gemm.py peer_stores; cuda/sinks/row_scatter_bulk.cuh)
+    # GEMM 2's peer sink with bulk asynchronous copies for every row (EPSERVE_SINK_STORES=bulk,
+    # opt-in: epserve/ffn/gemm.py peer_stores; cuda/sinks/row_scatter_bulk.cuh)
     "gemm_wgmma_peer_bulk": (WGMMA_GEMM_SOURCE, BULK),
     "gemm_wgmma_peer_bulk_split": (WGMMA_GEMM_SOURCE, {**BULK, "EPSERVE_GEMM_SPLIT_K": 2}),
     "gemm_fp8_peer_bulk": (FP8_GEMM_SOURCE, {**BULK, **FP8_GEMM2_SHIPPED}),
-    # ... and with bulk copies for this rank's own rows only (EPSERVE_SINK_STORES=own-bulk)
+    # ... and for this rank's own rows only (EPSERVE_SINK_STORES=own-bulk, the default)
     "gemm_wgmma_peer_ownbulk": (WGMMA_GEMM_SOURCE, OWN_BULK),
     "gemm_wgmma_peer_ownbulk_split": (WGMMA_GEMM_SOURCE, {**OWN_BULK, "EPSERVE_GEMM_SPLIT_K": 2}),
     "gemm_fp8_peer_ownbulk": (FP8_GEMM_SOURCE, {**OWN_BULK, **FP8_GEMM2_SHIPPED}),
