@@ -67,14 +67,13 @@ def build_variant(base: str) -> str:
     "gemm1_fp8_swiglu", ...): `base` itself, or with $EPSERVE_GEMM_FP8_BUILD naming one of
     KNOBS, `base` built with it (an experimental build with the shipped build's bits, so the
     ranks need not agree), for the jobs and benchmarks that check or time a build in the whole
-    layer. The bulk send warps' bases stay as they are."""
+    layer. The bulk send warps' builds (gemm_fp8_peer_bulk, gemm_fp8_peer_ownbulk, the default) take
+the knobs too."""
     knob = os.environ.get("EPSERVE_GEMM_FP8_BUILD", "")
     if not knob:
         return base
     if knob not in KNOBS:
         raise ConfigError(f"EPSERVE_GEMM_FP8_BUILD must be one of {sorted(KNOBS)}, got {knob!r}")
-    if base.endswith("bulk"):  # the bulk send warps' builds (_bulk, _ownbulk)
-        return base
     from epserve.runtime import kernels
 
     name = f"{base}+{knob}"

@@ -48,7 +48,8 @@ from epserve.comm import mpi as ep_comm
 from epserve.ffn import fp8_stage, gemm
 from epserve.runtime import kernels
 
-FP8_GEMMS = ("gemm_fp8_null", "gemm_fp8_peer", "gemm1_fp8_swiglu")
+# every FP8 GEMM the layer may launch: GEMM 2's peer build is $EPSERVE_SINK_STORES's (own-bulk by default)
+FP8_GEMMS = ("gemm_fp8_null", "gemm_fp8_peer", "gemm_fp8_peer_ownbulk", "gemm_fp8_peer_bulk", "gemm1_fp8_swiglu")
 RACE_KNOB = "EPSERVE_GEMM_FP8_RELEASE_BY_WARPGROUP"
 TILE_ROWS, SPLIT_ROWS, WARP_ROWS = 128, 64, 16  # the FP8 GEMM's tile, split tail and warp rows
 

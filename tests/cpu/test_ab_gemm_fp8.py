@@ -45,7 +45,8 @@ def test_only_the_gemms_own_defines_pass(job):
 
 def test_the_layer_launches_the_build_epserve_gemm_fp8_build_names(monkeypatch):
     """$EPSERVE_GEMM_FP8_BUILD swaps the layer's FP8 GEMMs for a KNOBS build (registered once),
-    leaves the bulk send warps' base as it is, and refuses a name KNOBS does not have."""
+    the bulk send warps' builds too (own-bulk is the default sink), and refuses a name KNOBS
+    does not have."""
     from epserve.errors import ConfigError
     from epserve.ffn import gemm_fp8
     from epserve.runtime import kernels
@@ -54,12 +55,11 @@ def test_the_layer_launches_the_build_epserve_gemm_fp8_build_names(monkeypatch):
     monkeypatch.delenv("EPSERVE_GEMM_FP8_BUILD", raising=False)
     assert gemm_fp8.build_variant("gemm_fp8_peer") == "gemm_fp8_peer"
     monkeypatch.setenv("EPSERVE_GEMM_FP8_BUILD", "split-unpublished")
-    for base in ("gemm_fp8_peer", "gemm_fp8_null", "gemm1_fp8_swiglu"):
+    for base in ("gemm_fp8_peer", "gemm_fp8_peer_ownbulk", "gemm_fp8_peer_bulk", "gemm_fp8_null", "gemm1_fp8_swiglu"):
         name = gemm_fp8.build_variant(base)
         assert name == f"{base}+split-unpublished"
         assert kernels.VARIANTS[name][1] == {**kernels.VARIANTS[base][1], **gemm_fp8.KNOBS["split-unpublished"]}
         assert gemm_fp8.build_variant(base) == name
-    assert gemm_fp8.build_variant("gemm_fp8_peer_bulk") == "gemm_fp8_peer_bulk"
     monkeypatch.setenv("EPSERVE_GEMM_FP8_BUILD", "no-such-build")
     with pytest.raises(ConfigError, match="EPSERVE_GEMM_FP8_BUILD"):
         gemm_fp8.build_variant("gemm_fp8_peer")
