@@ -237,11 +237,11 @@ __device__ __forceinline__ void quantize_row_to_many(uint4* my_dst, unsigned lan
 }
 
 // The same row staged whole in this warp's row of shared memory, then handed to the bulk copy
-// engine: each lane of `lanes` copies it to its my_dst by one cp.async.bulk. The engine
-// writes whole 128-byte lines, where the warps' 16-byte stores to 4-8 rows at once left the
-// writes ~9% slower (notes/dispatch.md, twentieth session). The staging row is rewritten
-// only once the engine has read it; bulk_wait<0> before the kernel's end makes the writes
-// complete.
+// engine: each lane of `lanes` copies it to its my_dst by one cp.async.bulk. On an H200 a
+// microbench of the fan-out ran 9% faster so (notes/dispatch.md, twentieth session); in the
+// move on an H100 it is 7% slower (thirty-first session), so the host leaves it off unless
+// asked (DirectDispatcher.stage_own_rows). The staging row is rewritten only once the engine
+// has read it; bulk_wait<0> before the kernel's end makes the writes complete.
 __device__ __forceinline__ void quantize_row_to_many_staged(uint4* my_dst, unsigned lanes, const bf16_t* src,
                                                             int cols, int row16, int lane, uint4* staging) {
   bool read = false;  // whether the engine has read the previous row: waited for at the first store, so the
