@@ -60,6 +60,30 @@ __device__ __forceinline__ void plan_rows_to_peers(int rows, int m0, int col0, c
   named_barrier_sync<kBarrierId, kNumThreads>();
 }
 
+// The rows of plan_rows_to_peers' tables whose home local index p has stores(p), each stored by
+// the threads' 16-byte stores (16-byte padded rows of src_ld elements), then a system-scope
+// release of their arrival units to each such home of the R on this node (rows * cols / 64, as
+// the receivers count). Called by kNumThreads threads together; the tables may be rewritten after one more barrier.
+template <int kNumThreads, int kBarrierId, typename Stores>
+__device__ __forceinline__ void store_rows_and_release(const bf16_t* src, int src_ld, int rows, int cols, int R,
+                                                       const PeerSendConfig& cfg, int tid, bf16_t* const* row_dst,
+                                                       const int* row_peer, const unsigned int* peer_rows,
+                                                       const int* peer_ok, Stores stores) {
+  const int chunks_per_row = cols / 8;
+  for (int c = tid; c < rows * chunks_per_row; c += kNumThreads) {
+    const int r = c / chunks_per_row;
+    const int k8 = (c - r * chunks_per_row) * 8;
+    bf16_t* dst = row_dst[r];
+    if (dst == nullptr || !peer_ok[row_peer[r]] || !stores(row_peer[r])) continue;
+    const uint4 v = ld_v4(src + static_cast<long long>(r) * src_ld + k8);
+    st_v4(dst + k8, v);
+  }
+  fence_acq_rel_sys();
+  named_barrier_sync<kBarrierId, kNumThreads>();
+  if (tid < R && stores(tid) && peer_rows[tid] > 0 && peer_ok[tid])
+    red_release_sys_add(cfg.arrive[tid] + cfg.rank, static_cast<unsigned long long>(peer_rows[tid]) * (cols / 64));
+}
+
 // Scatters `rows` rows of `cols` columns (a multiple of 8), row r read from src + r * src_ld,
 // into recv[t, j, col0 : col0 + cols] of the row's home rank, where (rank, t, j) decodes
 // src_info[m0 + r]. Called by kNumThreads threads together, which synchronize on named
@@ -78,20 +102,8 @@ __device__ void scatter_rows_to_peers(const bf16_t* src, int src_ld, int rows, i
   __shared__ int peer_ok[EPSERVE_MAX_PEERS + 1];
   const int R = cfg.ranks_per_node;
   plan_rows_to_peers<kNumThreads, kBarrierId>(rows, m0, col0, cfg, tid, row_dst, row_peer, peer_rows, peer_ok);
-
-  const int chunks_per_row = cols / 8;
-  for (int c = tid; c < rows * chunks_per_row; c += kNumThreads) {
-    const int r = c / chunks_per_row;
-    const int k8 = (c - r * chunks_per_row) * 8;
-    bf16_t* dst = row_dst[r];
-    if (dst == nullptr || !peer_ok[row_peer[r]]) continue;
-    const uint4 v = ld_v4(src + static_cast<long long>(r) * src_ld + k8);
-    st_v4(dst + k8, v);
-  }
-  fence_acq_rel_sys();
-  named_barrier_sync<kBarrierId, kNumThreads>();
-  if (tid < R && peer_rows[tid] > 0 && peer_ok[tid])
-    red_release_sys_add(cfg.arrive[tid] + cfg.rank, static_cast<unsigned long long>(peer_rows[tid]) * (cols / 64));
+  store_rows_and_release<kNumThreads, kBarrierId>(src, src_ld, rows, cols, R, cfg, tid, row_dst, row_peer, peer_rows,
+                                                  peer_ok, [](int) { return true; });
   named_barrier_sync<kBarrierId, kNumThreads>();  // the shared tables are rewritten by the next call
 }
 

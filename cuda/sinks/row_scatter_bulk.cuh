@@ -79,19 +79,9 @@ __device__ void scatter_tile_rows_bulk(const bf16_t* src, int src_ld, int rows, 
   // none pays no system-scope fence (at one rank, none ever does).
   bool remote = cfg.world > cfg.ranks_per_node;
   for (int p = 0; p < cfg.ranks_per_node; ++p) remote |= p != self && peer_rows[p] > 0;
-  if (kOwnRowsOnly && remote) {
-    const int chunks_per_row = cols / 8;
-    for (int c = tid; c < rows * chunks_per_row; c += kNumThreads) {
-      const int r = c / chunks_per_row, k8 = (c - r * chunks_per_row) * 8;
-      bf16_t* dst = row_dst[r];
-      if (dst == nullptr || !peer_ok[row_peer[r]] || by_bulk(row_peer[r])) continue;
-      st_v4(dst + k8, ld_v4(src + static_cast<long long>(r) * src_ld + k8));
-    }
-    fence_acq_rel_sys();
-    named_barrier_sync<kBarrierId, kNumThreads>();
-    if (tid < cfg.ranks_per_node && tid != self && peer_rows[tid] > 0 && peer_ok[tid])
-      red_release_sys_add(cfg.arrive[tid] + cfg.rank, static_cast<unsigned long long>(peer_rows[tid]) * (cols / 64));
-  }
+  if (kOwnRowsOnly && remote)
+    store_rows_and_release<kNumThreads, kBarrierId>(src, src_ld, rows, cols, cfg.ranks_per_node, cfg, tid, row_dst,
+                                                    row_peer, peer_rows, peer_ok, [&](int p) { return !by_bulk(p); });
   bulk_wait_read<0>();  // the engine has read this thread's rows: the tile may be rewritten
   // The previous tile's units, now that every older group is complete; this tile's wait.
   publish_bulk_rows<kNumThreads, 1, kBarrierId>(pending, peer_units, cfg, tid);
