@@ -141,7 +141,8 @@
 // padding rows zero-filled) and arrive on the stage's full barrier when they have landed; the
 // consumers order those generic-proxy writes before their wgmmas' reads (fence.proxy.async).
 // A's scales still come by TMA from the k-block-major buffer. Same bits as the build it is
-// made from, where the gathered rows equal A's.
+// made from, where the gathered rows equal A's. The producer warp spills 16 bytes in its 40
+// registers (it cannot have more: see kLaunchRegs). Its first GPU run (48 registers then) hung.
 // Diagnostic build: EPSERVE_GEMM_FP8_TRACE=1 stamps %clock64 at points of each tile into
 // epserve_gemm_trace (below); launch/jobs/trace_gemm_fp8.py reads them.
 #ifndef EPSERVE_GEMM_FP8_SPLIT_TAILS
@@ -235,9 +236,13 @@ static_assert(kWriterWarps, "a peer sink without send warps has no place in this
 constexpr int kCWriterWarps = 3;
 using CMailbox = TileMailbox<kConsumerThreads, kCWriterWarps * 32>;
 constexpr int kMailboxBytes = 32;
-// (kGatherA: the gathering lanes need 48, which the register file still holds: 2 x 128 x 232 + 128 x 48)
-constexpr int kLightRegs = kGatherA ? 48 : 40, kConsumerRegs = 232;
-static_assert(kConsumers * 128 * kConsumerRegs + 128 * kLightRegs <= 65536, "registers");
+constexpr int kLightRegs = 40, kConsumerRegs = 232;
+// The registers a CTA holds are those of its launch (ptxas gives each thread 168 for one
+// 384-thread CTA an SM), and setmaxnreg.inc waits until the warps that decreased have released
+// enough of them: asking for more than the launch holds waits forever (the gather build's first
+// GPU run, with 48 for the producer warpgroup, hung).
+constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+static_assert(kConsumers * 128 * kConsumerRegs + 128 * kLightRegs <= kLaunchRegs * kThreads, "registers");
 static_assert(Sink::kSendWarps <= 3, "the send warps share the producer warpgroup with the TMA warp");
 constexpr int kHalfA = 64 * kBK;  // bytes of one warpgroup's 64 rows of an A stage: one TMA box
 // A's scales: a box of kScaleBox floats from the tile's first row rounded down to 4 (see the
@@ -284,11 +289,12 @@ constexpr int kMaxStages = 6;
 // shared memory: the producer thread's registers are few (kLightRegs), and six more live
 // across its loads spill.
 constexpr int kAheadInts = kTakeAhead ? 6 : 0;
-// EPSERVE_GEMM_FP8_GATHER_A: the source rows of the tile's rows, each written and read by one
-// producer lane (in shared memory: in the producer's registers, they spilled).
-constexpr int kGatherInts = kGatherA ? kBM : 0;
+// EPSERVE_GEMM_FP8_GATHER_A: the source row of each of the tile's rows, as an address (null: a
+// padding row), each written and read by one producer lane (in shared memory: held in the
+// producer's 40 registers across its loads, the rows and the source's base and pitch spilled).
+constexpr int kGatherBytes = kGatherA ? kBM * 8 + 8 : 0;  // (+ 8: aligned to 8 bytes in the tail)
 constexpr int kTailBytes = 2 * kMaxStages * 8 + kMailboxBytes + (kMaxStages * kStageTileInts + kAheadInts) * 4 +
-                           (EPSERVE_MAX_LOCAL_EXPERTS + 1) * 4 + kGatherInts * 4;
+                           (EPSERVE_MAX_LOCAL_EXPERTS + 1) * 4 + kGatherBytes;
 constexpr int kStageBytes = kStageA + kStageB + kStageScales;
 constexpr int kOutTileBytes = OutTile::kBytes;
 constexpr int kFitStages = (kSmemLimit - kStaticSmem - kOutTileBytes - kTailBytes) / kStageBytes;
@@ -447,7 +453,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   int* stage_tile = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(mailbox) + kMailboxBytes);
   int* ahead = stage_tile + kMaxStages * kStageTileInts;  // [kAheadInts]
   int* mtile_prefix = ahead + kAheadInts;
-  int* gather_rows = mtile_prefix + EPSERVE_MAX_LOCAL_EXPERTS + 1;  // [kGatherInts]
+  const unsigned char** gather_rows = reinterpret_cast<const unsigned char**>(  // [kBM] with kGatherA
+      (reinterpret_cast<uintptr_t>(mtile_prefix + EPSERVE_MAX_LOCAL_EXPERTS + 1) + 7) & ~uintptr_t{7});
 
   if (threadIdx.x == 0) {
     if (smem_u32(smem) & 1023u) __trap();  // the 128-byte swizzle's pattern is tied to 1024-byte alignment
@@ -603,10 +610,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         const int a_boxes = t.rows > 64 ? 2 : 1;  // a tail of at most 64 rows loads (and computes) one half
         const int b_row = t.expert * b_rows + t.n_abs;
         const TensorMap* a_map = &map_a;
-        // kGatherA: the source row of each tile row (-1: a padding row, zeros); lane l copies
+        // kGatherA: where each tile row is read from (null: a padding row, zeros); lane l copies
         // rows l + 32 i.
         if constexpr (kGatherA) {
-          for (int r = lane; r < kBM; r += 32) gather_rows[r] = r < t.rows ? epserve_gemm_gather_rows[t.m_abs + r] : -1;
+          for (int r = lane; r < kBM; r += 32)
+            gather_rows[r] = r < t.rows ? epserve_gemm_gather_src + static_cast<long long>(
+                                                                        epserve_gemm_gather_rows[t.m_abs + r]) *
+                                                                        epserve_gemm_gather_pitch
+                                        : nullptr;
         }
         // One k-block's stage: wait until it is free, then its loads (with the tile in its
         // first stage).
@@ -616,13 +627,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             unsigned char* a_stage = ring_a + stage * kStageA;
 #pragma unroll 1
             for (int r = lane; r < 64 * a_boxes; r += 32) {
-              const int src = gather_rows[r];
-              const unsigned char* row = epserve_gemm_gather_src +
-                                         static_cast<long long>(src < 0 ? 0 : src) * epserve_gemm_gather_pitch +
-                                         kt * kBK;
+              const unsigned char* src = gather_rows[r];
+              // (a padding row reads nothing: src-size 0)
+              const unsigned char* row = (src == nullptr ? epserve_gemm_gather_src : src) + kt * kBK;
 #pragma unroll
               for (int c = 0; c < kBK / 16; ++c)
-                cp_async_16(a_stage + r * kBK + ((c ^ (r & 7)) << 4), row + c * 16, src < 0 ? 0 : 16);
+                cp_async_16(a_stage + r * kBK + ((c ^ (r & 7)) << 4), row + c * 16, src == nullptr ? 0 : 16);
             }
             cp_async_mbarrier_arrive_noinc(&full[stage]);
             if (!leader) {
