@@ -132,17 +132,6 @@
 // sums, the mbarrier mailbox, GEMM 1's SwiGLU on the writer warps, stmatrix for the output
 // tile, GEMM 2's output tile in the ring, the ring's handshake under the wgmmas, A from
 // registers, B from a k-block-major copy of the weights, and the shared-memory padding probe.
-// An experiment, GEMM 1 only, not a KNOBS build (launch/jobs/time_gemm_fp8_gather.py sets its
-// globals and times it): EPSERVE_GEMM_FP8_GATHER_A=1 reads each of A's rows from a row of
-// another buffer, epserve_gemm_gather_src + epserve_gemm_gather_rows[m] * epserve_gemm_gather_pitch
-// (one copy per token, as a dispatch that does not expand tokens into expert rows would leave
-// them), instead of A's expert-contiguous rows. The producer warp's 32 lanes copy the tile's rows
-// of each k-block with cp.async (16 bytes each, into the positions the 128-byte swizzle gives,
-// padding rows zero-filled) and arrive on the stage's full barrier when they have landed; the
-// consumers order those generic-proxy writes before their wgmmas' reads (fence.proxy.async).
-// A's scales still come by TMA from the k-block-major buffer. Same bits as the build it is
-// made from, where the gathered rows equal A's. The producer warp spills 16 bytes in its 40
-// registers (it cannot have more: see kLaunchRegs). Its first GPU run (48 registers then) hung.
 // Diagnostic build: EPSERVE_GEMM_FP8_TRACE=1 stamps %clock64 at points of each tile into
 // epserve_gemm_trace (below); launch/jobs/trace_gemm_fp8.py reads them.
 #ifndef EPSERVE_GEMM_FP8_SPLIT_TAILS
@@ -177,9 +166,6 @@
 #endif
 #ifndef EPSERVE_GEMM_FP8_TAKE_AHEAD
 #define EPSERVE_GEMM_FP8_TAKE_AHEAD 0
-#endif
-#ifndef EPSERVE_GEMM_FP8_GATHER_A
-#define EPSERVE_GEMM_FP8_GATHER_A 0
 #endif
 
 namespace {
@@ -218,14 +204,6 @@ __device__ __forceinline__ GroupedTile load_tile(const int* slot) {
   return t;
 }
 constexpr bool kTakeAhead = EPSERVE_GEMM_FP8_TAKE_AHEAD != 0;
-constexpr bool kGatherA = EPSERVE_GEMM_FP8_GATHER_A != 0;
-static_assert(!(kGatherA && kTakeAhead), "the gathering producer is a warp; the take ahead is one thread's");
-// Padding rows as zeros through cut copies of map_a (kZeroPadding), unless A is gathered: the
-// gather zero-fills them itself.
-constexpr bool kPadByMaps = kZeroPadding && !kGatherA;
-// The producer's arrivals on a full barrier: its expect_tx, and with kGatherA each lane's
-// cp.async arrival.
-constexpr int kFullArrivals = kGatherA ? 1 + 32 : 1;
 // The arrivals that free a stage: one per consumer thread (the consumers' `release` says why).
 constexpr int kStageReleases = kReleaseByWarpgroup ? kConsumers : kConsumerThreads;
 constexpr int kThreads = 128 * (kConsumers + 1);
@@ -237,10 +215,9 @@ constexpr int kCWriterWarps = 3;
 using CMailbox = TileMailbox<kConsumerThreads, kCWriterWarps * 32>;
 constexpr int kMailboxBytes = 32;
 constexpr int kLightRegs = 40, kConsumerRegs = 232;
-// The registers a CTA holds are those of its launch (ptxas gives each thread 168 for one
-// 384-thread CTA an SM), and setmaxnreg.inc waits until the warps that decreased have released
-// enough of them: asking for more than the launch holds waits forever (the gather build's first
-// GPU run, with 48 for the producer warpgroup, hung).
+// A CTA holds the registers of its launch (ptxas gives each thread 168 for one 384-thread CTA
+// an SM), and setmaxnreg.inc waits until the warps that decreased have released enough: more
+// than the launch holds waits forever (a build with 48 for the producer warpgroup hung).
 constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
 static_assert(kConsumers * 128 * kConsumerRegs + 128 * kLightRegs <= kLaunchRegs * kThreads, "registers");
 static_assert(Sink::kSendWarps <= 3, "the send warps share the producer warpgroup with the TMA warp");
@@ -289,12 +266,8 @@ constexpr int kMaxStages = 6;
 // shared memory: the producer thread's registers are few (kLightRegs), and six more live
 // across its loads spill.
 constexpr int kAheadInts = kTakeAhead ? 6 : 0;
-// EPSERVE_GEMM_FP8_GATHER_A: the source row of each of the tile's rows, as an address (null: a
-// padding row), each written and read by one producer lane (in shared memory: held in the
-// producer's 40 registers across its loads, the rows and the source's base and pitch spilled).
-constexpr int kGatherBytes = kGatherA ? kBM * 8 + 8 : 0;  // (+ 8: aligned to 8 bytes in the tail)
 constexpr int kTailBytes = 2 * kMaxStages * 8 + kMailboxBytes + (kMaxStages * kStageTileInts + kAheadInts) * 4 +
-                           (EPSERVE_MAX_LOCAL_EXPERTS + 1) * 4 + kGatherBytes;
+                           (EPSERVE_MAX_LOCAL_EXPERTS + 1) * 4;
 constexpr int kStageBytes = kStageA + kStageB + kStageScales;
 constexpr int kOutTileBytes = OutTile::kBytes;
 constexpr int kFitStages = (kSmemLimit - kStaticSmem - kOutTileBytes - kTailBytes) / kStageBytes;
@@ -374,18 +347,6 @@ static_assert(!kZeroPadding || kSmemBytes > 228 * 1024 / 2, "one CTA an SM: the 
 extern "C" {
 __device__ TensorMap epserve_gemm_padding_maps[kZeroPadding ? 256 : 1][kPaddingMaps];
 }
-#if EPSERVE_GEMM_FP8_GATHER_A
-// EPSERVE_GEMM_FP8_GATHER_A: where row m of A is read from (top of the file), written by the host.
-extern "C" {
-__device__ const unsigned char* epserve_gemm_gather_src;
-__device__ long long epserve_gemm_gather_pitch;
-__device__ const int* epserve_gemm_gather_rows;
-}
-#else  // named in code the other builds compile away
-constexpr const unsigned char* epserve_gemm_gather_src = nullptr;
-constexpr long long epserve_gemm_gather_pitch = 0;
-constexpr const int* epserve_gemm_gather_rows = nullptr;
-#endif
 
 // EPSERVE_GEMM_FP8_L2_SIDES: each SM's L2 side (0 or 1) by %smid, written by the host.
 extern "C" {
@@ -453,13 +414,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   int* stage_tile = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(mailbox) + kMailboxBytes);
   int* ahead = stage_tile + kMaxStages * kStageTileInts;  // [kAheadInts]
   int* mtile_prefix = ahead + kAheadInts;
-  const unsigned char** gather_rows = reinterpret_cast<const unsigned char**>(  // [kBM] with kGatherA
-      (reinterpret_cast<uintptr_t>(mtile_prefix + EPSERVE_MAX_LOCAL_EXPERTS + 1) + 7) & ~uintptr_t{7});
 
   if (threadIdx.x == 0) {
     if (smem_u32(smem) & 1023u) __trap();  // the 128-byte swizzle's pattern is tied to 1024-byte alignment
     for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(&full[s], kFullArrivals);
+      mbarrier_init(&full[s], 1);
       mbarrier_init(&empty[s], kStageReleases);  // one arrival per consumer thread: see `release`
     }
     fence_mbarrier_init();
@@ -504,15 +463,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     // Producer: one thread takes tiles from the counter and keeps the ring full. A tile's first
     // stage carries its index to the consumers (the full barrier publishes it); index -1 in
     // an otherwise empty stage tells them to stop.
-    // (kGatherA: the whole warp, its lane 0 the leader that does what the one thread does)
-    const int lane = threadIdx.x % 32;
-    const bool leader = !kGatherA || lane == 0;
-    if (kGatherA ? threadIdx.x % 128 < 32 : threadIdx.x % 128 == 0) {
+    if (threadIdx.x % 128 == 0) {
       int stage = 0;
       uint32_t phase = 0;
       TensorMap* padding_maps = nullptr;
       int padding_map = 0;
-      if constexpr (kPadByMaps) {
+      if constexpr (kZeroPadding) {
         int smid;
         asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
         padding_maps = epserve_gemm_padding_maps[smid & 255];
@@ -574,26 +530,21 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         int index;
         if constexpr (kTakeAhead) {
           index = ahead[0];
-        } else if constexpr (kGatherA) {
-          index = __shfl_sync(0xffffffffu, leader ? take_index(take_issue()) : 0, 0);
         } else {
           trace_point(true, seq, 6);
           index = take_index(take_issue());
         }
         if (index >= sched.total_tiles) {
           mbarrier_wait(&empty[stage], phase ^ 1);
-          if (leader) {
-            stage_tile[stage * kStageTileInts] = -1;
-            mbarrier_expect_tx(&full[stage], 0);
-            // The last CTA to stop resets the counters for the next launch on the stream (with
-            // kL2Sides, words 0 and 1 are the 64-bit tile counter, word 2 counts the stops).
-            if (atomicAdd(tile_counter + (kL2Sides ? 2 : 1), 1) == static_cast<int>(gridDim.x) - 1) {
-              tile_counter[0] = 0;
-              tile_counter[1] = 0;
-              if constexpr (kL2Sides) tile_counter[2] = 0;
-            }
+          stage_tile[stage * kStageTileInts] = -1;
+          mbarrier_expect_tx(&full[stage], 0);
+          // The last CTA to stop resets the counters for the next launch on the stream (with
+          // kL2Sides, words 0 and 1 are the 64-bit tile counter, word 2 counts the stops).
+          if (atomicAdd(tile_counter + (kL2Sides ? 2 : 1), 1) == static_cast<int>(gridDim.x) - 1) {
+            tile_counter[0] = 0;
+            tile_counter[1] = 0;
+            if constexpr (kL2Sides) tile_counter[2] = 0;
           }
-          if constexpr (kGatherA) mbarrier_arrive(&full[stage]);  // the lanes' arrivals, with no copies
           break;
         }
         GroupedTile t;
@@ -604,51 +555,20 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           trace_point(true, seq, 7);  // after the tile's coordinates: after the counter's answer
         }
         ++seq;
-        if constexpr (kPublishTile && !kTakeAhead) {
-          if (leader) prefetch_b_scales(t);
-        }
+        if constexpr (kPublishTile && !kTakeAhead) prefetch_b_scales(t);
         const int a_boxes = t.rows > 64 ? 2 : 1;  // a tail of at most 64 rows loads (and computes) one half
         const int b_row = t.expert * b_rows + t.n_abs;
         const TensorMap* a_map = &map_a;
-        // kGatherA: where each tile row is read from (null: a padding row, zeros); lane l copies
-        // rows l + 32 i.
-        if constexpr (kGatherA) {
-          for (int r = lane; r < kBM; r += 32)
-            gather_rows[r] = r < t.rows ? epserve_gemm_gather_src + static_cast<long long>(
-                                                                        epserve_gemm_gather_rows[t.m_abs + r]) *
-                                                                        epserve_gemm_gather_pitch
-                                        : nullptr;
-        }
         // One k-block's stage: wait until it is free, then its loads (with the tile in its
         // first stage).
         auto load_k_block = [&](int kt) {
           mbarrier_wait(&empty[stage], phase ^ 1);  // every consumer thread is done with the stage
-          if constexpr (kGatherA) {
-            unsigned char* a_stage = ring_a + stage * kStageA;
-#pragma unroll 1
-            for (int r = lane; r < 64 * a_boxes; r += 32) {
-              const unsigned char* src = gather_rows[r];
-              // (a padding row reads nothing: src-size 0)
-              const unsigned char* row = (src == nullptr ? epserve_gemm_gather_src : src) + kt * kBK;
-#pragma unroll
-              for (int c = 0; c < kBK / 16; ++c)
-                cp_async_16(a_stage + r * kBK + ((c ^ (r & 7)) << 4), row + c * 16, src == nullptr ? 0 : 16);
-            }
-            cp_async_mbarrier_arrive_noinc(&full[stage]);
-            if (!leader) {
-              if (++stage == kStages) {
-                stage = 0;
-                phase ^= 1;
-              }
-              return;
-            }
-          }
           if (kt == 0) {
             int* st = stage_tile + stage * kStageTileInts;
             st[0] = index;
             if constexpr (kPublishTile) store_tile(st, t);
           }
-          if (kPadByMaps && kt == 0 && t.m_abs + 64 * a_boxes > t.m_end) {
+          if (kZeroPadding && kt == 0 && t.m_abs + 64 * a_boxes > t.m_end) {
             // Rows past the expert's end (the next expert's) load as zeros: the same sums for
             // the tile's real rows, and zeros switch the tensor cores' multipliers less.
             TensorMap* m = padding_maps + padding_map;
@@ -656,8 +576,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             tensor_map_set_extent<1>(m, t.m_end);
             a_map = m;
           }
-          mbarrier_expect_tx(&full[stage], (kGatherA ? 0 : a_boxes * kHalfA) + kStageB + kScaleBoxBytes);
-          for (int h = 0; h < (kGatherA ? 0 : a_boxes); ++h)
+          mbarrier_expect_tx(&full[stage], a_boxes * kHalfA + kStageB + kScaleBoxBytes);
+          for (int h = 0; h < a_boxes; ++h)
             stage_load<kLoadA>("A", ring_a + stage * kStageA + h * kHalfA, a_map, &full[stage], kt * kBK,
                                t.m_abs + 64 * h, 1, 1024, kHalfA, index);
           // The scales of the tile's rows, from a 16-byte aligned column (past the end of A:
@@ -764,7 +684,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         for (int kt = 0; kt < k_blocks; ++kt) {
           const float b_scale = __ldg(sbh + kt);  // in flight during the wait
           mbarrier_wait(&full[stage], phase);
-          if constexpr (kGatherA) fence_proxy_async_shared();  // the gathered rows, before the wgmmas read them
           // The default build's first warpgroup issues these very wgmmas for half h.
           k_block_mma<kMma>(part, ring_a_desc + stage * kStageA / 16, ring_b_desc + (stage * kStageB + b_off) / 16);
           // The A scales of the stage are read after the MMA, just before the stage is freed.
@@ -780,7 +699,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         for (int kt = 0; kt < k_blocks; ++kt) {
           const float b_scale0 = __ldg(sb0 + kt), b_scale1 = __ldg(sb1 + kt);  // in flight during the wait
           mbarrier_wait(&full[stage], phase);
-          if constexpr (kGatherA) fence_proxy_async_shared();
           const float* sa = ring_sa + stage * (kStageScales / 4) + (t.m_abs - scale_box_col(t.m_abs));
           const float a_lo = sa[row], a_hi = sa[row + 8];
           const uint32_t a = ring_a_desc + (stage * kStageA + warpgroup * kHalfA) / 16;

@@ -116,29 +116,6 @@ def test_fp8_diagnostic_builds_compile(base, knobs, cache):
     assert ("cp.async.bulk.tensor" in ptx) == (knobs.get("EPSERVE_GEMM_FP8_TMA_LOADS", 7) != 0)
 
 
-def test_fp8_gather_build_compiles_and_is_refused_with_the_take_ahead(cache):
-    """EPSERVE_GEMM_FP8_GATHER_A (launch/jobs/time_gemm_fp8_gather.py's experiment): GEMM 1's
-    build compiles, spilling no more than the 16 bytes its producer warp spills in its 40
-    registers (an experiment's build; the shipped ones spill nothing: the test above), its
-    producer lanes copy A's rows with cp.async and arrive on
-    the stage's barrier, its consumers fence them for the wgmmas, and it loads A by no tensor map
-    (one TMA box a stage each for the scales and B only: three tma_load_2d sites, two of B
-    for SwiGLU's gate and up halves); GEMM 2's build (the take ahead, one producer thread) is
-    refused."""
-    source, defines = kernels.VARIANTS["gemm1_fp8_swiglu"]
-    art = build.compile_source(source, {**defines, "EPSERVE_GEMM_FP8_GATHER_A": 1})
-    spilled = [int(n) for n in re.findall(r"(\d+) bytes spill stores", art.log)]
-    assert spilled and max(spilled) <= 16, art.log
-    ptx = art.ptx.read_text()
-    assert "cp.async.mbarrier.arrive.noinc.shared::cta.b64" in ptx and "fence.proxy.async.shared::cta" in ptx
-    assert "cp.async.cg.shared.global" in ptx
-    shipped = build.compile_source(source, defines).ptx.read_text()
-    assert ptx.count("cp.async.bulk.tensor") < shipped.count("cp.async.bulk.tensor")
-    source, defines = kernels.VARIANTS["gemm_fp8_null"]
-    with pytest.raises(BuildError):
-        build.compile_source(source, {**defines, "EPSERVE_GEMM_FP8_GATHER_A": 1})
-
-
 SPLIT_K = {"EPSERVE_GEMM_SPLIT_K": 2}
 
 

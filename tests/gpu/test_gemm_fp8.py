@@ -402,53 +402,6 @@ def test_fp8_build_knobs_give_the_same_bits(knob, gemm, rows, K, monkeypatch):
         assert np.array_equal(got, want), f"the {knob} build differs from the default"
 
 
-@pytest.mark.parametrize("rows,K", [(RAGGED, 256), ([300] * 40, 384), ([129, 200], 512)])
-def test_gemm1_fp8_gathering_its_rows_gives_the_shipped_bits(rows, K, monkeypatch):
-    """EPSERVE_GEMM_FP8_GATHER_A (launch/jobs/time_gemm_fp8_gather.py's experiment): GEMM 1
-    reading each A row from a token row through a row map (rows of 128 + K bytes, tokens used by
-    several experts, in random order) equals the shipped build on those rows expanded, bit for
-    bit, act and its scales; its own tensor map of A points at poison (e4m3 NaN), so a row it
-    read there would show. The rows hold tails of 1 .. 64 and 65 .. 127 rows (zero-filled
-    padding), whole tiles and empty experts."""
-    import cupy
-
-    from epserve.ffn import fp8, gemm_fp8
-    from epserve.runtime import kernels
-
-    monkeypatch.setattr(kernels, "VARIANTS", dict(kernels.VARIANTS))
-    source, defines = kernels.VARIANTS["gemm1_fp8_swiglu"]
-    kernels.VARIANTS["gemm1_fp8_swiglu+gather"] = (source, {**defines, "EPSERVE_GEMM_FP8_GATHER_A": 1})
-    rng = np.random.default_rng(5 + K)
-    E, M, I = len(rows), sum(rows), 256
-    tokens = M // 3 + 1
-    tok_of_row = cupy.asarray(rng.integers(0, tokens, M).astype(np.int32))
-    x = cupy.asarray(rng.standard_normal((tokens, K), np.float32).astype(BF16))
-    q_tok, s_tok = fp8.quantize_rows(x)
-    pitch = K + 128
-    token_rows = cupy.full((tokens, pitch), E4M3_NAN, np.uint8)  # past K: never read
-    token_rows[:, :K] = q_tok
-    a_q = cupy.ascontiguousarray(q_tok[tok_of_row])
-    a_s = cupy.zeros((K // 128, f8.scale_ld(M)), np.float32)
-    a_s[:, :M] = s_tok[:, tok_of_row]
-    _, _, w_q, w_s, offsets = _quantized(rng, rows, E, 2 * I, K)
-    outs = {}
-    for variant, a in (("gemm1_fp8_swiglu", a_q), ("gemm1_fp8_swiglu+gather", cupy.full_like(a_q, E4M3_NAN))):
-        act = cupy.full((M + 5, I), E4M3_NAN, np.uint8)
-        act_s = cupy.full((I // 128, f8.scale_ld(M + 5)), np.nan, np.float32)
-        specs = gemm_fp8._specs(variant, a, a_s, w_q, w_s, E * 2 * I, act, act_s, offsets, E, I, K,
-                                gemm_fp8._NO_PEERS, 0)
-        if variant.endswith("gather"):
-            mod = kernels.module(variant)
-            for name, value in (("epserve_gemm_gather_src", token_rows.data.ptr),
-                                ("epserve_gemm_gather_pitch", pitch), ("epserve_gemm_gather_rows", tok_of_row.data.ptr)):
-                mod.get_global(name).copy_from_host(np.array([value], np.int64).ctypes.data, 8)
-        gemm_fp8.run(specs)
-        outs[variant] = (_bits(act), cupy.asnumpy(act_s).view(np.uint32))
-        assert not np.isnan(cupy.asnumpy(act_s)[:, :M]).any(), "scales left unwritten"
-    for want, got in zip(outs["gemm1_fp8_swiglu"], outs["gemm1_fp8_swiglu+gather"]):
-        assert np.array_equal(got, want), "the gathering build differs from the shipped one"
-
-
 @pytest.mark.parametrize("gemm", ["1", "2"])
 def test_the_l2_side_table_orders_tiles_and_moves_no_bit(gemm):
     """The shipped FP8 GEMMs take tiles by L2 side (epserve/runtime/l2_sides.py): the table this
