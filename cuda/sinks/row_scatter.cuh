@@ -63,7 +63,8 @@ __device__ __forceinline__ void plan_rows_to_peers(int rows, int m0, int col0, c
 // The rows of plan_rows_to_peers' tables whose home local index p has stores(p), each stored by
 // the threads' 16-byte stores (16-byte padded rows of src_ld elements), then a system-scope
 // release of their arrival units to each such home of the R on this node (rows * cols / 64, as
-// the receivers count). Called by kNumThreads threads together; the tables may be rewritten after one more barrier.
+// the receivers count). Called by kNumThreads threads together; the tables may be rewritten
+// after one more barrier.
 template <int kNumThreads, int kBarrierId, typename Stores>
 __device__ __forceinline__ void store_rows_and_release(const bf16_t* src, int src_ld, int rows, int cols, int R,
                                                        const PeerSendConfig& cfg, int tid, bf16_t* const* row_dst,
