@@ -217,7 +217,8 @@ constexpr int kMailboxBytes = 32;
 constexpr int kLightRegs = 40, kConsumerRegs = 232;
 // A CTA holds the registers of its launch (ptxas gives each thread 168 for one 384-thread CTA
 // an SM), and setmaxnreg.inc waits until the warps that decreased have released enough: more
-// than the launch holds waits forever (a build with 48 for the producer warpgroup hung).
+// than the launch holds waits forever (the likely cause of the hang of a build that gave the
+// producer warpgroup 48: notes/dispatch.md, thirty-second session).
 constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
 static_assert(kConsumers * 128 * kConsumerRegs + 128 * kLightRegs <= kLaunchRegs * kThreads, "registers");
 static_assert(Sink::kSendWarps <= 3, "the send warps share the producer warpgroup with the TMA warp");
