@@ -64,7 +64,8 @@ __device__ __forceinline__ void plan_rows_to_peers(int rows, int m0, int col0, c
 // the threads' 16-byte stores (16-byte padded rows of src_ld elements), then a system-scope
 // release of their arrival units to each such home of the R on this node (rows * cols / 64, as
 // the receivers count). Called by kNumThreads threads together; the tables may be rewritten
-// after one more barrier.
+// after one more barrier. R is cfg.ranks_per_node as the caller read it: read here instead, it
+// moved scatter_rows_to_peers' loads and changed its code.
 template <int kNumThreads, int kBarrierId, typename Stores>
 __device__ __forceinline__ void store_rows_and_release(const bf16_t* src, int src_ld, int rows, int cols, int R,
                                                        const PeerSendConfig& cfg, int tid, bf16_t* const* row_dst,
