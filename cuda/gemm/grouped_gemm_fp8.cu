@@ -126,15 +126,6 @@
 //   cycles) on GEMM 2's path into each tile: its ring has 3 stages (its bf16 output tile
 //   takes 66 KB), and the next tile's first stage arrived ~2100 cycles after the consumers
 //   wanted it. Same bits: the same tiles, each CTA taking one tile ahead of the one it works on.
-// Being measured (a knob, not shipped):
-// - EPSERVE_GEMM_FP8_EARLY_FIRST=1 (GEMM 2; KNOBS "split+ahead+early"): each consumer
-//   warpgroup issues a tile's first wgmma group (k-block 0's first half, or a split tail's)
-//   as soon as the tile's first stage is full, then runs the last tile's epilogue (its sums
-//   to the shared output tile, the hand-over) while that group computes, where the default
-//   runs the epilogue with the tensor pipe idle and then starts the tile. A diagnostic build
-//   with no epilogue at all ran GEMM 2 4-5% faster (notes/gemm.md, thirteenth session): the
-//   most this could win. Same bits: the same wgmmas on the same stage, promoted in the same
-//   order. Its stripped PTX leaves every shipped build's unchanged.
 // Builds measured slower or no faster and taken out (thirtieth session; notes/gemm.md lists each
 // with its measurements, and commit 31feff3 holds their code): 128 x 128 tiles, the overlapped
 // promotion, the expert offsets in shared memory, the first k-block's promotion starting the
@@ -176,9 +167,6 @@
 #ifndef EPSERVE_GEMM_FP8_TAKE_AHEAD
 #define EPSERVE_GEMM_FP8_TAKE_AHEAD 0
 #endif
-#ifndef EPSERVE_GEMM_FP8_EARLY_FIRST
-#define EPSERVE_GEMM_FP8_EARLY_FIRST 0
-#endif
 
 namespace {
 
@@ -216,11 +204,6 @@ __device__ __forceinline__ GroupedTile load_tile(const int* slot) {
   return t;
 }
 constexpr bool kTakeAhead = EPSERVE_GEMM_FP8_TAKE_AHEAD != 0;
-// EPSERVE_GEMM_FP8_EARLY_FIRST (a knob: gemm_fp8.KNOBS "split+ahead+early"): a tile's first
-// wgmma group is issued before the last tile's epilogue, which then runs under it. GEMM 2
-// only: GEMM 1's split-tail epilogue (SwiGLU, the up half's exchange) spills 572 bytes with
-// the group's 64 accumulators live beside the sums.
-constexpr bool kEarlyFirst = EPSERVE_GEMM_FP8_EARLY_FIRST != 0 && !kSwiGLU;
 // The arrivals that free a stage: one per consumer thread (the consumers' `release` says why).
 constexpr int kStageReleases = kReleaseByWarpgroup ? kConsumers : kConsumerThreads;
 constexpr int kThreads = 128 * (kConsumers + 1);
@@ -672,9 +655,82 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     float part[64];
     bool tile_pending = false;  // the writer warps still hold the shared output tile
     int seq = 0;  // tiles so far (EPSERVE_GEMM_FP8_TRACE)
-    // Tile t's sums (split: its tail's, srow's rows) into the shared output tile, handed to the
-    // writer warps.
-    auto epilogue = [&](const GroupedTile& t, bool split, bool computes, int srow) {
+    for (;;) {
+      trace_point(tid == 0, seq, 0);
+      mbarrier_wait(&full[stage], phase);  // the tile's first stage (the k-loop's wait returns at once)
+      trace_point(tid == 0, seq, 1);
+      const int* st = stage_tile + stage * kStageTileInts;
+      const int index = st[0];
+      if (index < 0) break;
+      const GroupedTile t = kPublishTile ? load_tile(st) : sched.tile(index);
+      // The weight scale rows of the tile's two halves: the gate block and its up block, or
+      // two neighbouring blocks; GEMM 2's last tile may have no second half.
+      const bool second_half = kSwiGLU || t.n_abs + kHalfN < N;
+      const int nb0 = t.n_abs / kHalfN;
+      const int nb1 = kSwiGLU ? (N + t.n_abs) / kHalfN : (second_half ? nb0 + 1 : nb0);
+      const float* sb = b_scales + static_cast<long long>(t.expert) * (b_rows / kHalfN) * k_blocks;
+      const float* sb0 = sb + static_cast<long long>(nb0) * k_blocks;
+      const float* sb1 = sb + static_cast<long long>(nb1) * k_blocks;
+      // EPSERVE_GEMM_FP8_SPLIT_TAILS: a tile of at most 64 real rows, computed by both
+      // warpgroups, warpgroup h on half h of the first 64 rows (top of the file): its sums go
+      // to sum[0, 64), the scales of its rows are those of srow.
+      const bool split = kSplitTails && t.rows <= 64;
+      const int srow = warp * 16 + lane / 4;
+      const bool computes = split ? (warpgroup == 0 || second_half) : warpgroup * 64 < t.rows;
+      if (split && computes) {
+        const int b_off = warpgroup * kHalfN * kBK;  // the stage's first 64 rows of A are its only box
+        const float* sbh = warpgroup == 1 ? sb1 : sb0;
+#pragma unroll
+        for (int i = 0; i < 64; ++i) sum[i] = 0.f;
+        for (int kt = 0; kt < k_blocks; ++kt) {
+          const float b_scale = __ldg(sbh + kt);  // in flight during the wait
+          mbarrier_wait(&full[stage], phase);
+          // The default build's first warpgroup issues these very wgmmas for half h.
+          k_block_mma<kMma>(part, ring_a_desc + stage * kStageA / 16, ring_b_desc + (stage * kStageB + b_off) / 16);
+          // The A scales of the stage are read after the MMA, just before the stage is freed.
+          const float* sa = ring_sa + stage * (kStageScales / 4) + (t.m_abs - scale_box_col(t.m_abs));
+          const float a_lo = sa[srow], a_hi = sa[srow + 8];
+          release(stage);
+          if constexpr (kMma) promote<0>(sum, part, a_lo * b_scale, a_hi * b_scale);
+          advance();
+        }
+      } else if (computes) {
+#pragma unroll
+        for (int i = 0; i < 128; ++i) sum[i] = 0.f;
+        for (int kt = 0; kt < k_blocks; ++kt) {
+          const float b_scale0 = __ldg(sb0 + kt), b_scale1 = __ldg(sb1 + kt);  // in flight during the wait
+          mbarrier_wait(&full[stage], phase);
+          const float* sa = ring_sa + stage * (kStageScales / 4) + (t.m_abs - scale_box_col(t.m_abs));
+          const float a_lo = sa[row], a_hi = sa[row + 8];
+          const uint32_t a = ring_a_desc + (stage * kStageA + warpgroup * kHalfA) / 16;
+          const uint32_t b = ring_b_desc + stage * kStageB / 16;
+          if constexpr (kTrace) trace_point(tid == 0 && kt == 0, seq, 8);
+          k_block_mma<kMma>(part, a, b);
+          if (!second_half) release(stage);
+          if constexpr (kMma) promote<0>(sum, part, a_lo * b_scale0, a_hi * b_scale0);  // (a probe: sum stays 0)
+          if (second_half) {
+            k_block_mma<kMma>(part, a, b + kHalfN * kBK / 16);
+            release(stage);
+            if constexpr (kMma) promote<64>(sum, part, a_lo * b_scale1, a_hi * b_scale1);
+          }
+          if constexpr (kTrace) trace_point(tid == 0 && kt < 2, seq, 4 + min(kt, 1));
+          if constexpr (kTraceKBlocks)
+            trace_point(tid % 128 == 0 && kt < kTracedKBlocks, seq,
+                        9 + warpgroup * kTracedKBlocks + min(kt, kTracedKBlocks - 1));
+          advance();
+        }
+      } else {  // no rows in this warpgroup's half: free the stages for the producer
+        for (int kt = 0; kt < k_blocks; ++kt) {
+          mbarrier_wait(&full[stage], phase);
+          release(stage);
+          advance();
+        }
+      }
+
+      trace_point(tid == 0, seq++, 2);
+      if constexpr (Sink::kEnabled) {
+        if (gate < 0) continue;  // the peer sink gated off: the math alone
+      }
       if (tile_pending) {  // wait until the writer warps are done with the last tile
         if constexpr (kSendWarps) Sink::template drain<kConsumerThreads>();
         else CMailbox::drain();
@@ -717,115 +773,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       const SmemTile tile{reinterpret_cast<const bf16_t*>(out_tile), OutTile::kLd, t.rows, min(kOutCols, N - t.n_abs)};
       if constexpr (kSendWarps) Sink::template hand_over<kConsumerThreads>(mailbox, tile, t.m_abs, t.n_abs, tid);
       else CMailbox::hand_over(mailbox, tile, t.m_abs, t.n_abs, tid);
+      trace_point(tid == 0, seq - 1, 3);
       tile_pending = true;
-    };
-    // kEarlyFirst: the last tile's epilogue, held until the next tile's first wgmma group is out.
-    bool epilogue_held = false;
-    GroupedTile held{};
-    bool held_split = false, held_computes = false;
-    for (;;) {
-      trace_point(tid == 0, seq, 0);
-      mbarrier_wait(&full[stage], phase);  // the tile's first stage (the k-loop's wait returns at once)
-      trace_point(tid == 0, seq, 1);
-      const int* st = stage_tile + stage * kStageTileInts;
-      const int index = st[0];
-      const int srow = warp * 16 + lane / 4;
-      if constexpr (kEarlyFirst) {
-        // The tile's first group (a split tail's, or half 0 of a whole tile's k-block 0), for
-        // every warpgroup and tile, the stop's stage too (a warpgroup without rows computes on
-        // what the stage holds and drops it), then the last tile's epilogue under it. Issued
-        // and waited on every path: ptxas serializes every wgmma of a kernel whose wait sits on
-        // a path of its own.
-        const bool first_split = kSplitTails && (kPublishTile ? load_tile(st) : sched.tile(index < 0 ? 0 : index)).rows <= 64;
-        if constexpr (kMma)
-          k_block_mma_issue(part, ring_a_desc + (stage * kStageA + (first_split ? 0 : warpgroup * kHalfA)) / 16,
-                            ring_b_desc + (stage * kStageB + (first_split ? warpgroup * kHalfN * kBK : 0)) / 16);
-        if (epilogue_held) {
-          epilogue(held, held_split, held_computes, srow);
-          trace_point(tid == 0, seq - 1, 3);
-        }
-        if constexpr (kMma) k_block_wait<0>(part);
-        epilogue_held = false;
-      }
-      if (index < 0) break;
-      const GroupedTile t = kPublishTile ? load_tile(st) : sched.tile(index);
-      // The weight scale rows of the tile's two halves: the gate block and its up block, or
-      // two neighbouring blocks; GEMM 2's last tile may have no second half.
-      const bool second_half = kSwiGLU || t.n_abs + kHalfN < N;
-      const int nb0 = t.n_abs / kHalfN;
-      const int nb1 = kSwiGLU ? (N + t.n_abs) / kHalfN : (second_half ? nb0 + 1 : nb0);
-      const float* sb = b_scales + static_cast<long long>(t.expert) * (b_rows / kHalfN) * k_blocks;
-      const float* sb0 = sb + static_cast<long long>(nb0) * k_blocks;
-      const float* sb1 = sb + static_cast<long long>(nb1) * k_blocks;
-      // EPSERVE_GEMM_FP8_SPLIT_TAILS: a tile of at most 64 real rows, computed by both
-      // warpgroups, warpgroup h on half h of the first 64 rows (top of the file): its sums go
-      // to sum[0, 64), the scales of its rows are those of srow.
-      const bool split = kSplitTails && t.rows <= 64;
-      const bool computes = split ? (warpgroup == 0 || second_half) : warpgroup * 64 < t.rows;
-      if (split && computes) {
-        const int b_off = warpgroup * kHalfN * kBK;  // the stage's first 64 rows of A are its only box
-        const float* sbh = warpgroup == 1 ? sb1 : sb0;
-#pragma unroll
-        for (int i = 0; i < 64; ++i) sum[i] = 0.f;
-        for (int kt = 0; kt < k_blocks; ++kt) {
-          const float b_scale = __ldg(sbh + kt);  // in flight during the wait
-          mbarrier_wait(&full[stage], phase);
-          // The default build's first warpgroup issues these very wgmmas for half h.
-          if (!kEarlyFirst || kt != 0)  // (kEarlyFirst: k-block 0's is in part already)
-            k_block_mma<kMma>(part, ring_a_desc + stage * kStageA / 16, ring_b_desc + (stage * kStageB + b_off) / 16);
-          // The A scales of the stage are read after the MMA, just before the stage is freed.
-          const float* sa = ring_sa + stage * (kStageScales / 4) + (t.m_abs - scale_box_col(t.m_abs));
-          const float a_lo = sa[srow], a_hi = sa[srow + 8];
-          release(stage);
-          if constexpr (kMma) promote<0>(sum, part, a_lo * b_scale, a_hi * b_scale);
-          advance();
-        }
-      } else if (computes) {
-#pragma unroll
-        for (int i = 0; i < 128; ++i) sum[i] = 0.f;
-        for (int kt = 0; kt < k_blocks; ++kt) {
-          const float b_scale0 = __ldg(sb0 + kt), b_scale1 = __ldg(sb1 + kt);  // in flight during the wait
-          mbarrier_wait(&full[stage], phase);
-          const float* sa = ring_sa + stage * (kStageScales / 4) + (t.m_abs - scale_box_col(t.m_abs));
-          const float a_lo = sa[row], a_hi = sa[row + 8];
-          const uint32_t a = ring_a_desc + (stage * kStageA + warpgroup * kHalfA) / 16;
-          const uint32_t b = ring_b_desc + stage * kStageB / 16;
-          if constexpr (kTrace) trace_point(tid == 0 && kt == 0, seq, 8);
-          if (!kEarlyFirst || kt != 0) k_block_mma<kMma>(part, a, b);
-          if (!second_half) release(stage);
-          if constexpr (kMma) promote<0>(sum, part, a_lo * b_scale0, a_hi * b_scale0);  // (a probe: sum stays 0)
-          if (second_half) {
-            k_block_mma<kMma>(part, a, b + kHalfN * kBK / 16);
-            release(stage);
-            if constexpr (kMma) promote<64>(sum, part, a_lo * b_scale1, a_hi * b_scale1);
-          }
-          if constexpr (kTrace) trace_point(tid == 0 && kt < 2, seq, 4 + min(kt, 1));
-          if constexpr (kTraceKBlocks)
-            trace_point(tid % 128 == 0 && kt < kTracedKBlocks, seq,
-                        9 + warpgroup * kTracedKBlocks + min(kt, kTracedKBlocks - 1));
-          advance();
-        }
-      } else {  // no rows in this warpgroup's half: free the stages for the producer
-        for (int kt = 0; kt < k_blocks; ++kt) {
-          mbarrier_wait(&full[stage], phase);
-          release(stage);
-          advance();
-        }
-      }
-
-      trace_point(tid == 0, seq++, 2);
-      if constexpr (Sink::kEnabled) {
-        if (gate < 0) continue;  // the peer sink gated off: the math alone
-      }
-      if constexpr (kEarlyFirst) {
-        epilogue_held = true;
-        held = t;
-        held_split = split;
-        held_computes = computes;
-      } else {
-        epilogue(t, split, computes, srow);
-        trace_point(tid == 0, seq - 1, 3);
-      }
     }
     if constexpr (kSendWarps) {
       if (gate >= 0) Sink::template shutdown<kConsumerThreads>(mailbox, tile_pending, tid);

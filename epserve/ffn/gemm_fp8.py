@@ -58,9 +58,6 @@ KNOBS: dict[str, dict[str, int]] = {
     "split-unpublished": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_PUBLISH_TILE": 0},
     # GEMM 2's shipped build: the next tile taken from the counter during this one's loads
     "split+ahead": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1},
-    # GEMM 2 with a tile's first wgmma group issued before the last tile's epilogue (thirty-third
-    # session; GEMM 1's build ignores it: cuda/gemm/grouped_gemm_fp8.cu, kEarlyFirst)
-    "split+ahead+early": {**_PLAIN, **FP8_SHIPPED, "EPSERVE_GEMM_FP8_TAKE_AHEAD": 1, "EPSERVE_GEMM_FP8_EARLY_FIRST": 1},
 }
 SHIPPED = {"gemm_fp8_null": "split+ahead", "gemm_fp8_peer": "split+ahead", "gemm1_fp8_swiglu": "split"}
 

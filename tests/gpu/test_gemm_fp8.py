@@ -346,8 +346,7 @@ def test_gemm2_fp8_peer_sink_scatters_the_null_builds_rows():
 # checks that this list names every knob).
 FP8_KNOB_BUILDS = [("2", "plain"), ("2", "split"), ("2", "split-unzeroed"), ("2", "split-nosides"),
                    ("2", "split-unpublished"), ("2", "split+ahead"), ("1", "plain"), ("1", "split"),
-                   ("1", "split-unzeroed"), ("1", "split-nosides"), ("1", "split-unpublished"), ("1", "split+ahead"),
-                   ("2", "split+ahead+early"), ("1", "split+ahead+early")]
+                   ("1", "split-unzeroed"), ("1", "split-nosides"), ("1", "split-unpublished"), ("1", "split+ahead")]
 
 
 @pytest.mark.parametrize("gemm,knob", FP8_KNOB_BUILDS)
@@ -365,9 +364,7 @@ def test_fp8_build_knobs_give_the_same_bits(knob, gemm, rows, K, monkeypatch):
     with this GPU's measured table); unpublished: the consumers decode each tile from its index
     themselves (the shipped build's producer writes the decoded tile beside the index); ahead:
     the producer takes the next tile during this one's loads (K = 128: a tile of one k-block,
-    taken ahead at once); ahead+early: GEMM 2 issues a tile's first wgmma group before the last
-    tile's epilogue, which runs under it (every warpgroup, the stop's stage too; GEMM 1's
-    build ignores it). The rows hold tails of 1 .. 64 rows (split) and
+    taken ahead at once). The rows hold tails of 1 .. 64 rows (split) and
     65 .. 127 (not), whole tiles, empty experts, and more tiles than SMs (a CTA meets split
     and unsplit tiles in turn); K from 1 to 5 k-blocks; GEMM 2's N = 384 leaves its last 256-wide column tile without a
     second half."""
