@@ -124,11 +124,6 @@ __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
 __device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
-// Announces `bytes` more on `bar`'s current phase without an arrival (a load issued ahead of
-// the stage's arrive.expect_tx).
-__device__ __forceinline__ void mbarrier_expect_tx_only(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
 // Counts `bytes` as arrived on `bar` without a copy (a diagnostic build's stand-in for a TMA
 // load whose bytes an expect_tx already announced).
 __device__ __forceinline__ void mbarrier_complete_tx(uint64_t* bar, uint32_t bytes) {

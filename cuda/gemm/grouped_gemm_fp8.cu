@@ -167,9 +167,6 @@
 #ifndef EPSERVE_GEMM_FP8_TAKE_AHEAD
 #define EPSERVE_GEMM_FP8_TAKE_AHEAD 0
 #endif
-#ifndef EPSERVE_GEMM_FP8_EARLY_B0
-#define EPSERVE_GEMM_FP8_EARLY_B0 0
-#endif
 
 namespace {
 
@@ -207,11 +204,6 @@ __device__ __forceinline__ GroupedTile load_tile(const int* slot) {
   return t;
 }
 constexpr bool kTakeAhead = EPSERVE_GEMM_FP8_TAKE_AHEAD != 0;
-// EPSERVE_GEMM_FP8_EARLY_B0 (a knob: KNOBS "split+b0", "split+ahead+b0"): a stage's first B
-// half (GEMM 2's first 128 columns, GEMM 1's gate rows) has a free barrier of its own, which
-// each consumer thread arrives on once its first group is done, so the producer reloads it
-// about half a k-block before the rest of the stage.
-constexpr bool kEarlyB0 = EPSERVE_GEMM_FP8_EARLY_B0 != 0;
 // The arrivals that free a stage: one per consumer thread (the consumers' `release` says why).
 constexpr int kStageReleases = kReleaseByWarpgroup ? kConsumers : kConsumerThreads;
 constexpr int kThreads = 128 * (kConsumers + 1);
@@ -394,7 +386,7 @@ extern "C" __constant__ int epserve_gemm_smem_bytes = kSmemBytes;
 extern "C" __constant__ int epserve_gemm_l2_sides = kL2Sides;
 extern "C" __constant__ int epserve_gemm_threads = kThreads;
 extern "C" __constant__ int epserve_gemm_stages = kStages;
-extern "C" __constant__ int epserve_gemm_b_box_rows = kSwiGLU || kEarlyB0 ? kBN / 2 : kBN;  // the rows of B's TMA box
+extern "C" __constant__ int epserve_gemm_b_box_rows = kSwiGLU ? kBN / 2 : kBN;  // the rows of B's TMA box
 extern "C" __constant__ int epserve_gemm_scale_box_cols = kScaleBox;  // the columns (floats) of A's scale box
 
 // map_a: A [M, K] e4m3 in 64-row x 128-byte boxes; map_sa: A's scales [K / 128, >= M] fp32
@@ -418,8 +410,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   float* out_scales = reinterpret_cast<float*>(out_tile + kBM * OutTile::kRowBytes);  // GEMM 1 only
   uint64_t* full = reinterpret_cast<uint64_t*>(out_tile + kOutTileBytes);
   uint64_t* empty = full + kStages;
-  uint64_t* empty_b0 = empty + kStages;  // kEarlyB0
-  static_assert(!kEarlyB0 || 3 * kStages <= 2 * kMaxStages, "the barriers' slots");
   SendMailbox* mailbox = reinterpret_cast<SendMailbox*>(full + 2 * kMaxStages);
   // [kMaxStages][kStageTileInts]
   int* stage_tile = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(mailbox) + kMailboxBytes);
@@ -431,7 +421,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&full[s], 1);
       mbarrier_init(&empty[s], kStageReleases);  // one arrival per consumer thread: see `release`
-      if constexpr (kEarlyB0) mbarrier_init(&empty_b0[s], kConsumerThreads);
     }
     fence_mbarrier_init();
   }
@@ -574,12 +563,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         // One k-block's stage: wait until it is free, then its loads (with the tile in its
         // first stage).
         auto load_k_block = [&](int kt) {
-          if constexpr (kEarlyB0) {  // B's first half once every consumer's first group has read it
-            mbarrier_wait(&empty_b0[stage], phase ^ 1);
-            mbarrier_expect_tx_only(&full[stage], kStageB / 2);
-            stage_load<kLoadB>("B0", ring_b + stage * kStageB, &map_b, &full[stage], kt * kBK, b_row, 1, 1024,
-                               kStageB / 2, index);
-          }
           mbarrier_wait(&empty[stage], phase ^ 1);  // every consumer thread is done with the stage
           if (kt == 0) {
             int* st = stage_tile + stage * kStageTileInts;
@@ -594,7 +577,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             tensor_map_set_extent<1>(m, t.m_end);
             a_map = m;
           }
-          mbarrier_expect_tx(&full[stage], a_boxes * kHalfA + (kEarlyB0 ? kStageB / 2 : kStageB) + kScaleBoxBytes);
+          mbarrier_expect_tx(&full[stage], a_boxes * kHalfA + kStageB + kScaleBoxBytes);
           for (int h = 0; h < a_boxes; ++h)
             stage_load<kLoadA>("A", ring_a + stage * kStageA + h * kHalfA, a_map, &full[stage], kt * kBK,
                                t.m_abs + 64 * h, 1, 1024, kHalfA, index);
@@ -604,12 +587,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
                                   scale_box_col(t.m_abs), kt, 4, 128, kScaleBoxBytes, index);
           unsigned char* b = ring_b + stage * kStageB;
           if constexpr (kSwiGLU) {  // gate rows, then the matching up rows
-            if constexpr (!kEarlyB0)
-              stage_load<kLoadB>("B gate", b, &map_b, &full[stage], kt * kBK, b_row, 1, 1024, kStageB / 2, index);
+            stage_load<kLoadB>("B gate", b, &map_b, &full[stage], kt * kBK, b_row, 1, 1024, kStageB / 2, index);
             stage_load<kLoadB>("B up", b + kStageB / 2, &map_b, &full[stage], kt * kBK, b_row + N, 1, 1024,
-                               kStageB / 2, index);
-          } else if constexpr (kEarlyB0) {
-            stage_load<kLoadB>("B1", b + kStageB / 2, &map_b, &full[stage], kt * kBK, b_row + kBN / 2, 1, 1024,
                                kStageB / 2, index);
           } else {
             stage_load<kLoadB>("B", b, &map_b, &full[stage], kt * kBK, b_row, 1, 1024, kStageB, index);
@@ -664,9 +643,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         mbarrier_arrive(&empty[s]);
       }
     };
-    auto release_b0 = [&](int s) {  // kEarlyB0: the stage's first B half, after this thread's first group
-      if constexpr (kEarlyB0) mbarrier_arrive(&empty_b0[s]);
-    };
     int stage = 0;
     uint32_t phase = 0;
     auto advance = [&] {
@@ -714,7 +690,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           // The A scales of the stage are read after the MMA, just before the stage is freed.
           const float* sa = ring_sa + stage * (kStageScales / 4) + (t.m_abs - scale_box_col(t.m_abs));
           const float a_lo = sa[srow], a_hi = sa[srow + 8];
-          release_b0(stage);
           release(stage);
           if constexpr (kMma) promote<0>(sum, part, a_lo * b_scale, a_hi * b_scale);
           advance();
@@ -731,7 +706,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           const uint32_t b = ring_b_desc + stage * kStageB / 16;
           if constexpr (kTrace) trace_point(tid == 0 && kt == 0, seq, 8);
           k_block_mma<kMma>(part, a, b);
-          release_b0(stage);
           if (!second_half) release(stage);
           if constexpr (kMma) promote<0>(sum, part, a_lo * b_scale0, a_hi * b_scale0);  // (a probe: sum stays 0)
           if (second_half) {
@@ -748,7 +722,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       } else {  // no rows in this warpgroup's half: free the stages for the producer
         for (int kt = 0; kt < k_blocks; ++kt) {
           mbarrier_wait(&full[stage], phase);
-          release_b0(stage);
           release(stage);
           advance();
         }

@@ -346,8 +346,7 @@ def test_gemm2_fp8_peer_sink_scatters_the_null_builds_rows():
 # checks that this list names every knob).
 FP8_KNOB_BUILDS = [("2", "plain"), ("2", "split"), ("2", "split-unzeroed"), ("2", "split-nosides"),
                    ("2", "split-unpublished"), ("2", "split+ahead"), ("1", "plain"), ("1", "split"),
-                   ("1", "split-unzeroed"), ("1", "split-nosides"), ("1", "split-unpublished"), ("1", "split+ahead"),
-                   ("2", "split+b0"), ("2", "split+ahead+b0"), ("1", "split+b0"), ("1", "split+ahead+b0")]
+                   ("1", "split-unzeroed"), ("1", "split-nosides"), ("1", "split-unpublished"), ("1", "split+ahead")]
 
 
 @pytest.mark.parametrize("gemm,knob", FP8_KNOB_BUILDS)
