@@ -73,7 +73,9 @@ for s in "$@"; do
         # issue 16's GEMM targets can be read off without a second GPU.
         rank-of-2) stage rank-of-2 "^#|^  [a-z]" env PYTHONPATH=. python3 launch/run.py -n 1 --timeout 300 -- \
                        python3 -m mpi4py -m epserve.bench --presets dsv3-prefill-fp8,dsv3-prefill --as-rank-of 2 \
-                       --routing balanced --tokens 4096 --out "$out/rank-of-2" ;;
+                       --routing balanced --tokens 4096 --out "$out/rank-of-2"
+                   stage rank-of-2-targets "^#|^  " env PYTHONPATH=. python3 -m epserve.bench.targets \
+                       "$out/rank-of-2/bench.json" ;;
         # The FP8 GEMMs' builds at the bench's clock, and per-tile stamps (notes/gemm.md,
         # twenty-third session): GEMM_AB_KNOBS picks the builds beside the shipped one
         # (epserve.ffn.gemm_fp8.KNOBS, space-separated).

@@ -4,8 +4,11 @@ and whether it is met:
     python -m epserve.bench.targets results/h200x2/bench.json
 
 The targets are stated for two H200s, one rank each; a run on another world size is still
-read, and the report says so. A target whose rows the run did not measure (a preset or a
-token count left out) is "not measured", never met. Every row a target reads must also have
+read, and the report says so. A run of `python -m epserve.bench --as-rank-of W` (one GPU standing
+in for a rank of W: each preset with 1/W of its experts, named PRESET/scaled) is read too, its
+rows standing for the preset's, and the report says which: such a rank has the GEMM shapes of
+a rank of W, but its layer and dispatch rows move no byte over a link. A target whose rows the
+run did not measure (a preset or a token count left out) is "not measured", never met. Every row a target reads must also have
 #wrong 0 where the bench checks it: a fast wrong answer meets nothing.
 """
 
@@ -15,7 +18,7 @@ import argparse
 import dataclasses
 import sys
 
-from epserve.bench import report
+from epserve.bench import presets, report
 from epserve.bench.results import Row, Run
 
 
@@ -55,14 +58,30 @@ class Verdict:
     note: str = ""
     sm_mhz: float | None = None  # the SM clock right after the row's timing, where the run read it
     sm_mhz_during: float | None = None  # ... and during one more call of the row's path
+    stand_in: int | None = None  # W where the row is a one-GPU stand-in for a rank of W (--as-rank-of W)
+
+
+def rank_of(shape: presets.Preset, preset: str) -> int | None:
+    """1 where `shape` is the preset itself; W where it is the preset with 1/W of its experts and
+    nothing else changed (`--as-rank-of W`: PRESET/scaled); None otherwise (another preset, or
+    one shrunk some other way, as --quick shrinks them)."""
+    real = presets.PRESETS.get(preset)
+    if shape.name == preset:
+        return 1
+    if real is None or shape.name != preset + presets.SCALED_SUFFIX:
+        return None
+    same = all(getattr(shape, f) == getattr(real, f) for f in ("hidden", "intermediate", "top_k", "expert_dtype"))
+    ranks, left = divmod(real.num_experts, shape.num_experts)
+    return ranks if same and not left and ranks > 1 else None
 
 
 def _find(rows, preset: str, tokens: int, path: str) -> Row | None:
-    for row in rows:
-        if (row.preset.name == preset and row.preset.tokens_per_rank == tokens and row.routing.kind == ROUTING
-                and row.path == path and row.timing is not None):
-            return row
-    return None
+    """The run's row of the preset (or of a one-GPU stand-in for one of its ranks, where the run
+    has no row of the preset itself) at that point."""
+    found = [row for row in rows
+             if rank_of(row.preset, preset) is not None and row.preset.tokens_per_rank == tokens
+             and row.routing.kind == ROUTING and row.path == path and row.timing is not None]
+    return min(found, key=lambda row: rank_of(row.preset, preset), default=None)
 
 
 def _wrong_note(*rows) -> str:
@@ -89,7 +108,9 @@ def judge(run: Run, target: Target) -> Verdict:
         value = row.timing.median_ms / over.timing.median_ms
         met = value <= target.bound
     wrong = _wrong_note(*rows)
-    return Verdict(target, value, met and not wrong, wrong, row.sm_mhz, row.sm_mhz_during)
+    stand_in = max(rank_of(r.preset, r.preset.name.removesuffix(presets.SCALED_SUFFIX)) or 1 for r in rows)
+    return Verdict(target, value, met and not wrong, wrong, row.sm_mhz, row.sm_mhz_during,
+                   stand_in if stand_in > 1 else None)
 
 
 def lines(run: Run, targets=ISSUE_16) -> list[str]:
@@ -100,13 +121,18 @@ def lines(run: Run, targets=ISSUE_16) -> list[str]:
     if world != 2 or len(gpus) != 2:
         out.append("# the targets are stated for two GPUs, one rank each: this run is not that machine")
     units = {"tflop_s": "TFLOP/s", "ms": "ms", "ratio": ""}
-    out.append(f"# {'target':<32}{'preset':<18}{'tokens':>7}  {'measured':>10}  {'bound':>16}  verdict")
     verdicts = [judge(run, t) for t in targets]
+    for w in sorted({v.stand_in for v in verdicts if v.stand_in}):
+        out.append(f"# rows of one GPU standing in for a rank of {w} (--as-rank-of {w}: 1/{w} of each preset's "
+                   f"experts, PRESET/scaled): a rank's GEMM shapes, but no byte crosses a link, so the layer and "
+                   f"dispatch rows are not the {w}-GPU ones")
+    out.append(f"# {'target':<32}{'preset':<18}{'tokens':>7}  {'measured':>10}  {'bound':>16}  verdict")
     for v in verdicts:
         t = v.target
         sign = ">=" if t.metric == "tflop_s" else "<="
         measured = "-" if v.value is None else f"{v.value:.3f}" if t.metric != "tflop_s" else f"{v.value:.0f}"
         verdict = "met" if v.met else ("not measured" if v.value is None else "not met")
+        verdict += f" (stand-in for a rank of {v.stand_in})" if v.stand_in else ""
         note = f" ({v.note})" if v.note and v.value is not None else ""
         bound = f"{sign} {t.bound:g} {units[t.metric]}".rstrip()
         out.append(f"  {t.name:<32}{t.preset:<18}{t.tokens:>7}  {measured:>10}  {bound:>16}  {verdict}{note}")

@@ -102,3 +102,44 @@ def test_the_command(tmp_path, capsys, document):
     assert targets.main([str(tmp_path / "old.json")]) == 2
     assert "schema 99" in capsys.readouterr().err
     assert report.read_json(TWO_H200).info["world_size"] == 2
+
+
+def as_stand_in(document: dict, ranks: int = 2, **changes) -> dict:
+    """The document's rows as `--as-rank-of ranks` names and shapes them (PRESET/scaled, 1/ranks
+    of the experts), with `changes` to the shape on top."""
+    for r in document["rows"]:
+        p = r["preset"]
+        p.update(name=p["name"] + "/scaled", num_experts=p["num_experts"] // ranks, **changes)
+    document["info"]["world_size"], document["info"]["gpus"] = 1, ["NVIDIA H200"]
+    return document
+
+
+def test_a_one_gpu_stand_in_for_a_rank_is_read_and_named(document):
+    """A run of `--as-rank-of 2` (one GPU, each preset with half its experts, named
+    PRESET/scaled) is read for the presets' targets, each verdict and a header line saying
+    that it is a stand-in whose layer and dispatch rows crossed no link."""
+    v = verdicts(run_from(as_stand_in(document)))
+    assert v["GEMM 2 (FP8)"].value == pytest.approx(826, abs=1) and v["GEMM 2 (FP8)"].stand_in == 2
+    assert v["decode layer, fused"].met and v["decode layer, fused"].stand_in == 2
+    lines = targets.lines(run_from(as_stand_in(json.loads(TWO_H200.read_text()))))
+    assert any(line.startswith("# rows of one GPU standing in for a rank of 2 (--as-rank-of 2") for line in lines)
+    assert any(line.startswith("  decode layer, fused") and line.endswith("met (stand-in for a rank of 2)")
+               for line in lines)
+
+
+def test_a_preset_shrunk_otherwise_is_not_read(document):
+    """--quick shrinks the presets' other dimensions too: such rows stand for nothing."""
+    v = verdicts(run_from(as_stand_in(document, hidden=256)))
+    assert all(x.value is None and not x.met for x in v.values())
+    assert targets.rank_of(targets.presets.get_preset("dsv3-prefill-fp8"), "dsv3-prefill-fp8") == 1
+    assert targets.rank_of(targets.presets.get_preset("dsv3-prefill"), "dsv3-prefill-fp8") is None
+
+
+def test_the_preset_itself_before_a_stand_in(document):
+    both = json.loads(TWO_H200.read_text())
+    stand_in = as_stand_in(json.loads(TWO_H200.read_text()))
+    for r in stand_in["rows"]:
+        r["timing"]["samples_ms"] = [s / 2 for s in r["timing"]["samples_ms"]]
+    both["rows"] += stand_in["rows"]
+    v = verdicts(run_from(both))["prefill layer, fused"]
+    assert v.stand_in is None and v.value == pytest.approx(4.045, abs=1e-3)
