@@ -4,12 +4,13 @@ and whether it is met:
     python -m epserve.bench.targets results/h200x2/bench.json
 
 The targets are stated for two H200s, one rank each; a run on another world size is still
-read, and the report says so. A run of `python -m epserve.bench --as-rank-of W` (one GPU standing
-in for a rank of W: each preset with 1/W of its experts, named PRESET/scaled) is read too, its
-rows standing for the preset's, and the report says which: such a rank has the GEMM shapes of
-a rank of W, but its layer and dispatch rows move no byte over a link. A target whose rows the
-run did not measure (a preset or a token count left out) is "not measured", never met. Every row a target reads must also have
-#wrong 0 where the bench checks it: a fast wrong answer meets nothing.
+read, and the report says so. A run of `python -m epserve.bench --as-rank-of W` (one GPU
+standing in for a rank of W: each preset with 1/W of its experts, named PRESET/scaled) is read
+too, its rows standing for the preset's, and the report says which: such a rank has the GEMM
+shapes of a rank of W, but its layer and dispatch rows move no byte over a link. A target whose
+rows the run did not measure (a preset or a token count left out) is "not measured", never
+met. Every row a target reads must also have #wrong 0 where the bench checks it: a fast wrong
+answer meets nothing.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def judge(run: Run, target: Target) -> Verdict:
     if row is None:
         return Verdict(target, None, False, "not measured")
     rows = [row]
+    ranks = [rank_of(row.preset, target.preset)]
     if target.metric == "tflop_s":
         value = row.tflop_s
         met = value is not None and value >= target.bound
@@ -105,12 +107,12 @@ def judge(run: Run, target: Target) -> Verdict:
         if over is None:
             return Verdict(target, None, False, f"not measured ({target.over_preset} {target.path})")
         rows.append(over)
+        ranks.append(rank_of(over.preset, target.over_preset))
         value = row.timing.median_ms / over.timing.median_ms
         met = value <= target.bound
     wrong = _wrong_note(*rows)
-    stand_in = max(rank_of(r.preset, r.preset.name.removesuffix(presets.SCALED_SUFFIX)) or 1 for r in rows)
     return Verdict(target, value, met and not wrong, wrong, row.sm_mhz, row.sm_mhz_during,
-                   stand_in if stand_in > 1 else None)
+                   max(ranks) if max(ranks) > 1 else None)
 
 
 def lines(run: Run, targets=ISSUE_16) -> list[str]:
