@@ -136,7 +136,7 @@ def test_a_preset_shrunk_otherwise_is_not_read(document):
 
 
 def test_the_preset_itself_before_a_stand_in(document):
-    both = json.loads(TWO_H200.read_text())
+    both = document
     stand_in = as_stand_in(json.loads(TWO_H200.read_text()))
     for r in stand_in["rows"]:
         r["timing"]["samples_ms"] = [s / 2 for s in r["timing"]["samples_ms"]]
