@@ -12,7 +12,8 @@
 #   make soak       CALLS back-to-back forward calls on one service: same bits, no memory growth
 #   make dead-peer  a killed and a stuck rank: the others raise naming the peer and the stage;
 #                   fails, saying why, when every test was skipped (no GPU)
-#   make sanitize   compute-sanitizer (SANITIZE_TOOLS) over a short two-rank job, both sinks
+#   make sanitize   compute-sanitizer (SANITIZE_TOOLS) over a short two-rank job, both sinks,
+#                   bf16 and FP8 experts (SANITIZE_DTYPES)
 #   make clean      remove .venv, caches and build outputs
 #   make help       this text
 #
@@ -26,6 +27,7 @@
 #   CALLS=1000      soak: how many forward calls
 #   SANITIZE_TOOLS="memcheck racecheck synccheck"   sanitize: the compute-sanitizer tools to run
 #                   (initcheck only when asked: it cannot see memory a peer wrote through CUDA IPC)
+#   SANITIZE_DTYPES="bf16 fp8"   sanitize: the expert dtypes the job runs under each tool
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := test
@@ -102,6 +104,7 @@ CALLS ?= 1000
 # initcheck is left out: it cannot see memory a peer process initialised through CUDA IPC
 # (count rows, signal counters) and reports every read of it (make sanitize SANITIZE_TOOLS=initcheck).
 SANITIZE_TOOLS ?= memcheck racecheck synccheck
+SANITIZE_DTYPES ?= bf16 fp8
 
 fuzz: install
 	@$(RUN_ENV) $(PY) -m epserve.runtime.gpu_probe || { echo "make fuzz: stopped; run it on a machine with NVIDIA Hopper GPUs" >&2; exit 1; }
@@ -114,14 +117,15 @@ soak: install
 dead-peer: install
 	$(RUN_ENV) $(PY) -m pytest -q -rs -m gpu --fail-if-all-skipped tests/gpu/test_reliability.py -k peer
 
-# Each tool on a short two-rank job (both sinks). memcheck needs --report-api-errors no: a
-# loaded library probes driver symbols with cuGetProcAddress, and each refusal would count.
+# Each tool on a short two-rank job (both sinks), once per expert dtype. memcheck needs
+# --report-api-errors no: a loaded library probes driver symbols with cuGetProcAddress, and
+# each refusal would count.
 sanitize: install
 	@command -v compute-sanitizer >/dev/null || { echo "make sanitize: compute-sanitizer is not on PATH (CUDA toolkit, e.g. /usr/local/cuda/bin)" >&2; exit 1; }
-	@status=0; for tool in $(SANITIZE_TOOLS); do \
-		echo "== compute-sanitizer --tool $$tool"; \
-		$(RUN_ENV) $(PY) launch/run.py -n 2 --share-gpu --timeout 600 -- compute-sanitizer --tool $$tool --report-api-errors no --error-exitcode 9 $(abspath $(shell command -v $(PY))) -m mpi4py launch/jobs/sanitize_job.py || { echo "== $$tool: exit $$?"; status=1; }; \
-	done; exit $$status
+	@status=0; for tool in $(SANITIZE_TOOLS); do for dtype in $(SANITIZE_DTYPES); do \
+		echo "== compute-sanitizer --tool $$tool, $$dtype experts"; \
+		$(RUN_ENV) $(PY) launch/run.py -n 2 --share-gpu --timeout 600 -- compute-sanitizer --tool $$tool --report-api-errors no --error-exitcode 9 $(abspath $(shell command -v $(PY))) -m mpi4py launch/jobs/sanitize_job.py --expert-dtype $$dtype || { echo "== $$tool, $$dtype: exit $$?"; status=1; }; \
+	done; done; exit $$status
 
 # The comment block at the top of this file, without its comment marks.
 help:

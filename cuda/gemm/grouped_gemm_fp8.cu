@@ -238,7 +238,11 @@ constexpr bool kCheckTma = EPSERVE_GEMM_FP8_CHECK_TMA != 0;
 constexpr bool kUnalignedScales = EPSERVE_GEMM_FP8_UNALIGNED_SCALES != 0;
 constexpr bool kSplitTails = EPSERVE_GEMM_FP8_SPLIT_TAILS != 0;
 // Named barriers of the split tails' GEMM 1 epilogue (0 is __syncthreads; 2 and 3 are the
-// mailbox's, 4 the peer sink's send warps').
+// mailbox's, 4 the peer sink's send warps'). Both are taken with barrier.sync, not bar.sync
+// (barrier.sync.aligned): the two warpgroups reach the first from different code, and only
+// the first warpgroup takes the second. With bar.sync, compute-sanitizer's racecheck found
+// the first warpgroup's tile writes (store_act_rows) unordered with the writer warps' reads
+// of them after the hand-over (notes/gemm.md, thirty-fifth session).
 constexpr int kSplitBarrierConsumers = 5, kSplitBarrierFirst = 6;
 
 // The finished tile in shared memory. GEMM 2: kBM rows of kOutCols bf16, each row padded by
@@ -748,7 +752,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int i = 0; i < 32; ++i) xchg[i * 128 + t128] = pack_bf16x2(sum[2 * i], sum[2 * i + 1]);
           }
-          named_barrier_sync<kSplitBarrierConsumers, kConsumerThreads>();
+          named_barrier_sync_across_roles<kSplitBarrierConsumers, kConsumerThreads>();
           if (warpgroup == 0) {
 #pragma unroll
             for (int i = 0; i < 32; ++i) {
@@ -756,7 +760,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
               sum[64 + 2 * i] = bf16_lo(w);
               sum[64 + 2 * i + 1] = bf16_hi(w);
             }
-            named_barrier_sync<kSplitBarrierFirst, 128>();  // every word read before the tile is written over it
+            // every word read before the tile is written over it
+            named_barrier_sync_across_roles<kSplitBarrierFirst, 128>();
             store_act_rows(out_tile, out_scales, sum, srow, lane);
           }
         } else if (computes) {  // half h's 128 columns of the first 64 rows

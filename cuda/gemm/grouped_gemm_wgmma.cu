@@ -327,7 +327,7 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
     if (smem_u32(smem) & 1023u) __trap();  // the 128-byte swizzle's pattern is tied to 1024-byte alignment
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&full[s], 1);
-      mbarrier_init(&empty[s], kConsumers * kCluster);  // the leader's count every CTA's consumers
+      mbarrier_init(&empty[s], kConsumerThreads * kCluster);  // every consumer thread of every CTA: see `release`
     }
     fence_mbarrier_init();
   }
@@ -482,11 +482,16 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
     setmaxnreg_inc<kConsumerRegs>();
     const int tid = threadIdx.x;  // 0 .. kConsumerThreads - 1
     const int lane = tid % 32, warp = (tid % 128) / 32;
-    auto release = [&](int s) {  // on the leader's empty barrier
-      if (tid % 128 == 0) {
-        if (cta == 0) mbarrier_arrive(&empty[s]);
-        else mbarrier_arrive_remote(&empty[s], 0);
-      }
+    // A stage is freed on the leader's empty barrier by every consumer thread, not by one a
+    // warpgroup: each thread's arrive (a release) orders its own reads of the stage (the tile
+    // index in stage_tile) before the producer's next writes to it, which its wait acquires.
+    // With one arrival a warpgroup, a warpgroup that skips the MMA (no rows in its half) could
+    // free a tile's stages while its other warps had yet to read the index, and
+    // compute-sanitizer's racecheck reported the stop index's store racing with those reads
+    // (the FP8 GEMM had the same race on its scales, grouped_gemm_fp8.cu's `release`).
+    auto release = [&](int s) {
+      if (cta == 0) mbarrier_arrive(&empty[s]);
+      else mbarrier_arrive_remote(&empty[s], 0);
     };
     int stage = 0;
     uint32_t phase = 0;

@@ -1,7 +1,7 @@
 """A tiny layer for compute-sanitizer, which wraps each rank:
 
     python launch/run.py -n 2 --share-gpu -- compute-sanitizer --tool memcheck --report-api-errors no \\
-        --error-exitcode 9 $(command -v python3) -m mpi4py launch/jobs/sanitize_job.py
+        --error-exitcode 9 $(command -v python3) -m mpi4py launch/jobs/sanitize_job.py [--expert-dtype fp8]
 
 (--tool memcheck, racecheck, synccheck or initcheck.) Two calls, each forward fused (peer
 sink, direct dispatch) and unfused (null sink, NCCL dispatch or the IPC copy), so every
@@ -10,6 +10,10 @@ released. Sizes are the smallest that still give the GEMMs several tiles each wa
 tiles, masked slots and a rank without tokens, so the job ends in seconds under the
 sanitizer's instrumentation. The outputs are checked too (fused == unfused bitwise, within
 1e-2 of the float64 reference): the sanitizer changes timing, which must not change results.
+With --expert-dtype fp8 the same calls run FP8 experts (weights from quantize_weights, the
+dispatch quantizing in its send, the block-scaled GEMMs), checked against the float64 FP8
+reference on the same quantized weights, at sizes that give each FP8 GEMM two 256-wide column
+tiles and several k-blocks.
 Prints `# sanitize_job: ok` or the failures, and a `RESULT` line per rank; exits 1 on a wrong
 result (the sanitizer's own findings give its exit code).
 
@@ -28,19 +32,23 @@ What the tools need and said on an H200 (two ranks on one GPU):
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import cupy
 import numpy as np
 from job_report import report  # a sibling of this script
 
-from epserve import EPService, MoEConfig
+from epserve import EPService, MoEConfig, quantize_weights
+from epserve.check.fp8_layer_reference import quantized_weights, reference_layer_fp8
 from epserve.check.reference import reference_layer, rel_error
 from epserve.check.testing import layer_inputs
 from epserve.comm import mpi as ep_comm
 
-# Two 128-wide column tiles in each GEMM, and experts of more than one 128-row tile.
-E_LOC, TOP_K, HIDDEN, INTERMEDIATE = 2, 2, 256, 128
+# Experts of more than one 128-row tile, and two column tiles in each GEMM: the bf16 GEMMs'
+# tiles are 128 wide, the FP8 GEMMs' 256 (whose K also comes in 128-wide blocks).
+E_LOC, TOP_K = 2, 2
+HIDDEN_INTERMEDIATE = {"bf16": (256, 128), "fp8": (512, 256)}
 # Token counts of rank r in call n: CALLS[n][r % 2] + r // 2, so any -n gives each rank its own.
 CALLS = ((300, 9), (0, 150))
 SEED = 17
@@ -50,35 +58,47 @@ WAIT_TIMEOUT_S = 300.0
 REL_ERROR_LIMIT = 1e-2
 
 
+def _reference(everyone, E, expert_dtype, rank):
+    xs, idxs, ws = ([getattr(i, a) for i in everyone] for a in ("x", "topk_idx", "topk_weights"))
+    if expert_dtype == "fp8":
+        weights = [quantized_weights(i.w13, i.w2) for i in everyone]
+        return reference_layer_fp8(xs, idxs, ws, weights, E)[rank]["out"]
+    return reference_layer(xs, idxs, ws, [i.w13 for i in everyone], [i.w2 for i in everyone], E)[rank]["out"]
+
+
 def main():
+    p = argparse.ArgumentParser(prog="launch/jobs/sanitize_job.py")
+    p.add_argument("--expert-dtype", choices=sorted(HIDDEN_INTERMEDIATE), default="bf16")
+    args = p.parse_args()
+    dtype = args.expert_dtype
+    hidden, intermediate = HIDDEN_INTERMEDIATE[dtype]
     comm = ep_comm.world()
     rank, world = comm.Get_rank(), comm.Get_size()
     E = E_LOC * world
     tokens = [[call[r % 2] + r // 2 for r in range(world)] for call in CALLS]
-    cfg = MoEConfig(E, TOP_K, HIDDEN, INTERMEDIATE, max(max(t) for t in tokens), world_size=world,
-                    wait_timeout_s=WAIT_TIMEOUT_S)
+    cfg = MoEConfig(E, TOP_K, hidden, intermediate, max(max(t) for t in tokens), world_size=world,
+                    wait_timeout_s=WAIT_TIMEOUT_S, expert_dtype=dtype)
     failures = []
     with EPService(cfg, comm) as svc:
         for n, counts in enumerate(tokens):
-            everyone = layer_inputs(SEED + n, counts, E, TOP_K, HIDDEN, INTERMEDIATE, unused=0.1)
+            everyone = layer_inputs(SEED + n, counts, E, TOP_K, hidden, intermediate, unused=0.1)
             me = everyone[rank]
             x, idx, w, w13, w2 = (cupy.asarray(a) for a in (me.x, me.topk_idx, me.topk_weights, me.w13, me.w2))
+            if dtype == "fp8":
+                w13, w2 = quantize_weights(w13, w2), None
             fused = cupy.asnumpy(svc.forward(x, idx, w, w13, w2, sink="peer", dispatch="direct"))
             unfused = cupy.asnumpy(svc.forward(x, idx, w, w13, w2, sink="null", dispatch="nccl"))
             svc.check()
             if not np.array_equal(fused.view(np.uint16), unfused.view(np.uint16)):
                 failures.append(f"call {n}: fused != unfused bitwise")
             if counts[rank]:
-                ref = reference_layer([i.x for i in everyone], [i.topk_idx for i in everyone],
-                                      [i.topk_weights for i in everyone], [i.w13 for i in everyone],
-                                      [i.w2 for i in everyone], E)[rank]["out"]
-                err = rel_error(fused.astype(np.float64), ref)
+                err = rel_error(fused.astype(np.float64), _reference(everyone, E, dtype, rank))
                 if not err < REL_ERROR_LIMIT:
                     failures.append(f"call {n}: relative error {err:.3g} vs the float64 reference")
-    report(comm, dict(job="sanitize_job", rank=rank, ok=not failures, failures=failures))
+    report(comm, dict(job="sanitize_job", expert_dtype=dtype, rank=rank, ok=not failures, failures=failures))
     wrong = comm.allreduce(len(failures))
     if rank == 0:
-        print(f"# sanitize_job: {'ok' if not wrong else f'{wrong} failures'}", flush=True)
+        print(f"# sanitize_job ({dtype} experts): {'ok' if not wrong else f'{wrong} failures'}", flush=True)
     return 1 if wrong else 0
 
 
