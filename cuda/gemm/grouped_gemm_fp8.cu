@@ -239,10 +239,11 @@ constexpr bool kUnalignedScales = EPSERVE_GEMM_FP8_UNALIGNED_SCALES != 0;
 constexpr bool kSplitTails = EPSERVE_GEMM_FP8_SPLIT_TAILS != 0;
 // Named barriers of the split tails' GEMM 1 epilogue (0 is __syncthreads; 2 and 3 are the
 // mailbox's, 4 the peer sink's send warps'). Both are taken with barrier.sync, not bar.sync
-// (barrier.sync.aligned): the two warpgroups reach the first from different code, and only
-// the first warpgroup takes the second. With bar.sync, compute-sanitizer's racecheck found
-// the first warpgroup's tile writes (store_act_rows) unordered with the writer warps' reads
-// of them after the hand-over (notes/gemm.md, thirty-fifth session).
+// (barrier.sync.aligned, which promises that every participant executes the same barrier
+// instruction): the two warpgroups reach the first from different code, and only the first
+// warpgroup takes the second. (compute-sanitizer's racecheck reports this epilogue's tile
+// and mailbox writes unordered with the writer warps' reads after the hand-over, with
+// either kind of barrier; not explained yet: notes/gemm.md, thirty-fifth session.)
 constexpr int kSplitBarrierConsumers = 5, kSplitBarrierFirst = 6;
 
 // The finished tile in shared memory. GEMM 2: kBM rows of kOutCols bf16, each row padded by

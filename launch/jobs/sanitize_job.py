@@ -24,8 +24,12 @@ What the tools need and said on an H200 (two ranks on one GPU):
   cuGetProcAddress calls per rank that return CUDA_ERROR_INVALID_VALUE, each an error
   otherwise;
 - memcheck and synccheck: 0 errors; the job passes;
-- racecheck: 0 hazards (the send-warp mailbox is ordered by bar.sync on both sides; with
-  bar.arrive on one side racecheck reported 6);
+- racecheck, bf16 experts: 0 hazards (the send-warp mailbox is ordered by bar.sync on both
+  sides; with bar.arrive on one side racecheck reported 6). Until the thirty-fifth session
+  it reported the bf16 wgmma GEMM's stop index racing with the tile index reads (stages freed
+  by one thread a warpgroup: fixed). With FP8 experts it reports 3-116 hazards a run in GEMM
+  1's split-tail epilogue (the output tile and the tile mailbox against the writer warps'
+  reads after the hand-over), not explained yet (notes/gemm.md, thirty-fifth session);
 - initcheck: tens of thousands of reads of memory that a peer process initialized through
   CUDA IPC (dispatch count rows, signal counters), which initcheck cannot see.
 """
