@@ -17,7 +17,7 @@ tiles and several k-blocks.
 Prints `# sanitize_job: ok` or the failures, and a `RESULT` line per rank; exits 1 on a wrong
 result (the sanitizer's own findings give its exit code).
 
-What the tools need and said on an H200 (two ranks on one GPU):
+What the tools need and said on an H200, and with FP8 experts on an H100 (two ranks on one GPU):
 - the interpreter by its absolute path: compute-sanitizer looks `python3` up on its own and
   found a system Python without mpi4py;
 - --report-api-errors no: driver-symbol probing by the libraries loaded makes 34
