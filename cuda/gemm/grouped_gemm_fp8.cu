@@ -237,14 +237,16 @@ constexpr bool kMma = EPSERVE_GEMM_FP8_MMA != 0;
 constexpr bool kCheckTma = EPSERVE_GEMM_FP8_CHECK_TMA != 0;
 constexpr bool kUnalignedScales = EPSERVE_GEMM_FP8_UNALIGNED_SCALES != 0;
 constexpr bool kSplitTails = EPSERVE_GEMM_FP8_SPLIT_TAILS != 0;
-// Named barriers of the split tails' GEMM 1 epilogue (0 is __syncthreads; 2 and 3 are the
-// mailbox's, 4 the peer sink's send warps'). Both are taken with barrier.sync, not bar.sync
-// (barrier.sync.aligned, which promises that every participant executes the same barrier
-// instruction): the two warpgroups reach the first from different code, and only the first
-// warpgroup takes the second. (compute-sanitizer's racecheck reports this epilogue's tile
-// and mailbox writes unordered with the writer warps' reads after the hand-over, with
-// either kind of barrier; not explained yet: notes/gemm.md, thirty-fifth session.)
-constexpr int kSplitBarrierConsumers = 5, kSplitBarrierFirst = 6;
+// The split tails' GEMM 1 epilogue hands the second warpgroup's up half to the first through
+// the output tile's bytes, ordered by two mbarriers of 128 arrivals each: `written` (the
+// second warpgroup's words are in place) and `read` (the first warpgroup has read them all,
+// so it may write the act rows over them). Named barriers would do the same job; but any
+// named barrier over part of the output threads between the drain and the hand-over, even
+// one the first warpgroup takes alone, makes compute-sanitizer's racecheck report the tile's
+// and the mailbox's writes unordered with the writer warps' reads after the hand-over (a
+// standalone kernel with this protocol and nothing else shows it: notes/gemm.md,
+// thirty-sixth session); with mbarriers it reports none.
+constexpr int kSplitBarriers = kSplitTails && kSwiGLU ? 2 : 0;
 
 // The finished tile in shared memory. GEMM 2: kBM rows of kOutCols bf16, each row padded by
 // 16 bytes (bank spread; the peer sink reads rows by stride), as in the bf16 kernel. GEMM 1:
@@ -272,8 +274,8 @@ constexpr int kMaxStages = 6;
 // shared memory: the producer thread's registers are few (kLightRegs), and six more live
 // across its loads spill.
 constexpr int kAheadInts = kTakeAhead ? 6 : 0;
-constexpr int kTailBytes = 2 * kMaxStages * 8 + kMailboxBytes + (kMaxStages * kStageTileInts + kAheadInts) * 4 +
-                           (EPSERVE_MAX_LOCAL_EXPERTS + 1) * 4;
+constexpr int kTailBytes = (2 * kMaxStages + kSplitBarriers) * 8 + kMailboxBytes +
+                           (kMaxStages * kStageTileInts + kAheadInts) * 4 + (EPSERVE_MAX_LOCAL_EXPERTS + 1) * 4;
 constexpr int kStageBytes = kStageA + kStageB + kStageScales;
 constexpr int kOutTileBytes = OutTile::kBytes;
 constexpr int kFitStages = (kSmemLimit - kStaticSmem - kOutTileBytes - kTailBytes) / kStageBytes;
@@ -415,7 +417,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   float* out_scales = reinterpret_cast<float*>(out_tile + kBM * OutTile::kRowBytes);  // GEMM 1 only
   uint64_t* full = reinterpret_cast<uint64_t*>(out_tile + kOutTileBytes);
   uint64_t* empty = full + kStages;
-  SendMailbox* mailbox = reinterpret_cast<SendMailbox*>(full + 2 * kMaxStages);
+  uint64_t* split_written = full + 2 * kMaxStages;  // [kSplitBarriers]: written, then read
+  uint64_t* split_read = split_written + 1;
+  SendMailbox* mailbox = reinterpret_cast<SendMailbox*>(full + 2 * kMaxStages + kSplitBarriers);
   // [kMaxStages][kStageTileInts]
   int* stage_tile = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(mailbox) + kMailboxBytes);
   int* ahead = stage_tile + kMaxStages * kStageTileInts;  // [kAheadInts]
@@ -426,6 +430,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&full[s], 1);
       mbarrier_init(&empty[s], kStageReleases);  // one arrival per consumer thread: see `release`
+    }
+    if constexpr (kSplitBarriers > 0) {
+      mbarrier_init(split_written, 128);
+      mbarrier_init(split_read, 128);
     }
     fence_mbarrier_init();
   }
@@ -659,6 +667,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     float sum[128];
     float part[64];
     bool tile_pending = false;  // the writer warps still hold the shared output tile
+    uint32_t split_phase = 0;  // of split_written and split_read
     int seq = 0;  // tiles so far (EPSERVE_GEMM_FP8_TRACE)
     for (;;) {
       trace_point(tid == 0, seq, 0);
@@ -752,9 +761,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           if (warpgroup == 1) {
 #pragma unroll
             for (int i = 0; i < 32; ++i) xchg[i * 128 + t128] = pack_bf16x2(sum[2 * i], sum[2 * i + 1]);
-          }
-          named_barrier_sync_across_roles<kSplitBarrierConsumers, kConsumerThreads>();
-          if (warpgroup == 0) {
+            mbarrier_arrive(split_written);  // a release of this thread's words
+          } else {
+            mbarrier_wait(split_written, split_phase);
 #pragma unroll
             for (int i = 0; i < 32; ++i) {
               const uint32_t w = xchg[i * 128 + t128];
@@ -762,9 +771,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
               sum[64 + 2 * i + 1] = bf16_hi(w);
             }
             // every word read before the tile is written over it
-            named_barrier_sync_across_roles<kSplitBarrierFirst, 128>();
+            mbarrier_arrive(split_read);
+            mbarrier_wait(split_read, split_phase);
             store_act_rows(out_tile, out_scales, sum, srow, lane);
           }
+          // Both barriers' next phases come after this tile's hand-over: the second warpgroup
+          // writes again only after the next drain, which the writer warps reach after this
+          // hand-over, which the first warpgroup reaches after both waits.
+          split_phase ^= 1;
         } else if (computes) {  // half h's 128 columns of the first 64 rows
           store_bf16_tile_rows<kHalfN / 8>(out_tile, sum, srow, warpgroup * kHalfN + 2 * (lane % 4));
         }

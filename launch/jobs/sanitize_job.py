@@ -27,9 +27,13 @@ What the tools need and said on an H200, and with FP8 experts on an H100 (two ra
 - racecheck, bf16 experts: 0 hazards (the send-warp mailbox is ordered by bar.sync on both
   sides; with bar.arrive on one side racecheck reported 6). Until the thirty-fifth session
   it reported the bf16 wgmma GEMM's stop index racing with the tile index reads (stages freed
-  by one thread a warpgroup: fixed). With FP8 experts it reports 3-116 hazards a run in GEMM
-  1's split-tail epilogue (the output tile and the tile mailbox against the writer warps'
-  reads after the hand-over), not explained yet (notes/gemm.md, thirty-fifth session);
+  by one thread a warpgroup: fixed);
+- racecheck, FP8 experts: 0 hazards since the thirty-sixth session. Before, 3-116 a run in
+  GEMM 1's split-tail epilogue: the output tile and the tile mailbox against the writer
+  warps' reads after the hand-over. The protocol was ordered; racecheck reports any named
+  barrier over part of the output threads between the drain and the hand-over
+  (launch/jobs/probe_racecheck_handover.py), so the split tails now order their exchange by
+  mbarriers (notes/gemm.md, thirty-sixth session);
 - initcheck: tens of thousands of reads of memory that a peer process initialized through
   CUDA IPC (dispatch count rows, signal counters), which initcheck cannot see.
 """

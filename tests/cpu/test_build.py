@@ -87,6 +87,35 @@ def test_fp8_consumer_loop_probe_compiles_at_every_level(cache):
         build.compile_source(probe.SOURCE, {"EPSERVE_PROBE_LEVEL": 11})
 
 
+
+def test_racecheck_handover_probe_compiles_for_every_protocol(cache):
+    """launch/jobs/probe_racecheck_handover.py's kernel (the shipped tile mailbox with the
+    orderings racecheck was asked about) builds for every protocol the job names, with the
+    barriers each protocol promises, and refuses one past them; the bytes the job expects
+    leave a tail's rows past 64 as poisoned."""
+    import importlib.util
+    from pathlib import Path
+
+    job = Path(__file__).resolve().parents[2] / "launch" / "jobs" / "probe_racecheck_handover.py"
+    spec = importlib.util.spec_from_file_location("probe_racecheck_handover", job)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    assert sorted(probe.PROTOCOLS) == list(range(7))
+    for protocol in probe.PROTOCOLS:
+        ptx = build.compile_source(probe.SOURCE, {"EPSERVE_PROBE_PROTOCOL": protocol}).ptx.read_text()
+        assert f".entry {probe.KERNEL}" in ptx
+        assert ("barrier.arrive 5, 256" in ptx) == (protocol == 5), protocol
+        assert ("barrier.sync 6, 128" in ptx) == (protocol in (2, 4, 5)), protocol
+        assert ("mbarrier.try_wait" in ptx) == (protocol == 6), protocol
+    with pytest.raises(BuildError):
+        build.compile_source(probe.SOURCE, {"EPSERVE_PROBE_PROTOCOL": 7})
+    full, tail = probe.expected(0, 2, 3), probe.expected(6, 2, 3)
+    assert full.shape == tail.shape == (6, probe.OUT_BYTES)
+    assert (tail[:, 64 * probe.ROW_BYTES : probe.ROWS * probe.ROW_BYTES] == probe.POISON).all()
+    assert not (full[:, : probe.ROWS * probe.ROW_BYTES] == probe.POISON).all(axis=1).any()
+    # the exchange's words change the values: a protocol that skipped the reads would be #wrong
+    assert (probe.expected(6, 2, 3) != probe.expected(1, 2, 3)).any()
+
 # The FP8 GEMM's diagnostic builds (cuda/gemm/grouped_gemm_fp8.cu, launch/jobs/probe_gemm_fp8.py):
 # not shipped, so not in kernels.VARIANTS, but the next GPU run needs them to compile.
 FP8_PROBE_KNOBS = [
