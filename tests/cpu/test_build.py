@@ -10,6 +10,18 @@ from epserve.runtime import build, kernels
 from epserve.runtime.kernel_structs import PEER_SEND_CONFIG
 
 
+def _job(name: str):
+    """launch/jobs/`name`.py as a module (its main is not run)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "launch" / "jobs" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("EPSERVE_CACHE_DIR", str(tmp_path / "cache"))
@@ -70,13 +82,7 @@ def test_fp8_consumer_loop_probe_compiles_at_every_level(cache):
     """launch/jobs/probe_fp8_consumer_loop.py's kernel (the FP8 GEMM's consumer loop alone)
     builds from the GEMM's own helpers at every level the job names, without spills or
     serialized wgmmas, and a level outside them is refused by the kernel."""
-    import importlib.util
-    from pathlib import Path
-
-    job = Path(__file__).resolve().parents[2] / "launch" / "jobs" / "probe_fp8_consumer_loop.py"
-    spec = importlib.util.spec_from_file_location("probe_fp8_consumer_loop", job)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = _job("probe_fp8_consumer_loop")
     assert sorted(probe.LEVELS) == list(range(11))
     for level in probe.LEVELS:
         art = build.compile_source(probe.SOURCE, {"EPSERVE_PROBE_LEVEL": level})
@@ -93,13 +99,7 @@ def test_racecheck_handover_probe_compiles_for_every_protocol(cache):
     orderings racecheck was asked about) builds for every protocol the job names, with the
     barriers each protocol promises, and refuses one past them; the bytes the job expects
     leave a tail's rows past 64 as poisoned."""
-    import importlib.util
-    from pathlib import Path
-
-    job = Path(__file__).resolve().parents[2] / "launch" / "jobs" / "probe_racecheck_handover.py"
-    spec = importlib.util.spec_from_file_location("probe_racecheck_handover", job)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = _job("probe_racecheck_handover")
     assert sorted(probe.PROTOCOLS) == list(range(7))
     for protocol in probe.PROTOCOLS:
         ptx = build.compile_source(probe.SOURCE, {"EPSERVE_PROBE_PROTOCOL": protocol}).ptx.read_text()
