@@ -13,7 +13,7 @@
 #   make dead-peer  a killed and a stuck rank: the others raise naming the peer and the stage;
 #                   fails, saying why, when every test was skipped (no GPU)
 #   make sanitize   compute-sanitizer (SANITIZE_TOOLS) over a short two-rank job, both sinks,
-#                   bf16 and FP8 experts (SANITIZE_DTYPES)
+#                   bf16 and FP8 experts, bf16 with GEMM 2 split in K (SANITIZE_CASES)
 #   make clean      remove .venv, caches and build outputs
 #   make help       this text
 #
@@ -27,7 +27,8 @@
 #   CALLS=1000      soak: how many forward calls
 #   SANITIZE_TOOLS="memcheck racecheck synccheck"   sanitize: the compute-sanitizer tools to run
 #                   (initcheck only when asked: it cannot see memory a peer wrote through CUDA IPC)
-#   SANITIZE_DTYPES="bf16 fp8"   sanitize: the expert dtypes the job runs under each tool
+#   SANITIZE_CASES="bf16 fp8 bf16-split"   sanitize: the job's cases under each tool: the
+#                   expert dtype, and bf16-split for bf16 with GEMM 2's split build forced
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := test
@@ -104,7 +105,7 @@ CALLS ?= 1000
 # initcheck is left out: it cannot see memory a peer process initialised through CUDA IPC
 # (count rows, signal counters) and reports every read of it (make sanitize SANITIZE_TOOLS=initcheck).
 SANITIZE_TOOLS ?= memcheck racecheck synccheck
-SANITIZE_DTYPES ?= bf16 fp8
+SANITIZE_CASES ?= bf16 fp8 bf16-split
 
 fuzz: install
 	@$(RUN_ENV) $(PY) -m epserve.runtime.gpu_probe || { echo "make fuzz: stopped; run it on a machine with NVIDIA Hopper GPUs" >&2; exit 1; }
@@ -117,14 +118,15 @@ soak: install
 dead-peer: install
 	$(RUN_ENV) $(PY) -m pytest -q -rs -m gpu --fail-if-all-skipped tests/gpu/test_reliability.py -k peer
 
-# Each tool on a short two-rank job (both sinks), once per expert dtype. memcheck needs
+# Each tool on a short two-rank job (both sinks), once per case. memcheck needs
 # --report-api-errors no: a loaded library probes driver symbols with cuGetProcAddress, and
 # each refusal would count.
 sanitize: install
 	@command -v compute-sanitizer >/dev/null || { echo "make sanitize: compute-sanitizer is not on PATH (CUDA toolkit, e.g. /usr/local/cuda/bin)" >&2; exit 1; }
-	@status=0; for tool in $(SANITIZE_TOOLS); do for dtype in $(SANITIZE_DTYPES); do \
-		echo "== compute-sanitizer --tool $$tool, $$dtype experts"; \
-		$(RUN_ENV) $(PY) launch/run.py -n 2 --share-gpu --timeout 600 -- compute-sanitizer --tool $$tool --report-api-errors no --error-exitcode 9 $(abspath $(shell command -v $(PY))) -m mpi4py launch/jobs/sanitize_job.py --expert-dtype $$dtype || { echo "== $$tool, $$dtype: exit $$?"; status=1; }; \
+	@status=0; for tool in $(SANITIZE_TOOLS); do for case in $(SANITIZE_CASES); do \
+		args="--expert-dtype $${case%-split}"; [ "$$case" = "$${case%-split}" ] || args="$$args --gemm2-split always"; \
+		echo "== compute-sanitizer --tool $$tool, sanitize_job.py $$args"; \
+		$(RUN_ENV) $(PY) launch/run.py -n 2 --share-gpu --timeout 600 -- compute-sanitizer --tool $$tool --report-api-errors no --error-exitcode 9 $(abspath $(shell command -v $(PY))) -m mpi4py launch/jobs/sanitize_job.py $$args || { echo "== $$tool, $$case: exit $$?"; status=1; }; \
 	done; done; exit $$status
 
 # The comment block at the top of this file, without its comment marks.

@@ -128,9 +128,12 @@ struct SplitK {
   // (tile, consumer warpgroup) holding the epoch + 1 of the launch whose first half set it.
   static constexpr int kStateHead = 4;
   static constexpr unsigned kTimedOut = 1;  // state[1]: a second half's wait ran out ([2]: its tile)
-  // Named barriers 5 and 6, of one consumer warpgroup each (1: the epilogue's; 2, 3: the
-  // mailbox's; 4: the peer sink's send warps).
-  static constexpr int kBarrier = 5;
+  // A first half's stores are gathered for its flag's release by an mbarrier of the
+  // warpgroup's 128 threads (one a consumer warpgroup, in shared memory after the ring's),
+  // not by a named barrier of the warpgroup: racecheck reports a named barrier over part of
+  // the output threads among the tile mailbox's barriers as a race on the mailbox
+  // (sinks/tile_mailbox.cuh; launch/jobs/probe_racecheck_handover.py).
+  static constexpr int kStoredBarriers = kParts > 1 ? 2 : 0;
 };
 constexpr int kSplitK = SplitK::kParts;
 static_assert(kSplitK == 1 || kSplitK == 2, "split K in one or two parts");
@@ -149,6 +152,7 @@ static_assert(kSplitK == 1 || (!kSwiGLU && !kSwapTails && kCluster == 1 && kBN =
 constexpr int kAcc = kBN / 2;  // fp32 accumulators per consumer thread (m64 x kBN per warpgroup)
 constexpr int kOutCols = kSwiGLU ? kBN / 2 : kBN;  // output columns of a tile
 constexpr int kConsumers = 2, kConsumerThreads = 128 * kConsumers;
+static_assert(SplitK::kStoredBarriers == 0 || SplitK::kStoredBarriers == kConsumers, "one per consumer warpgroup");
 constexpr int kThreads = 128 * (kConsumers + 1);
 constexpr int kProducerWarpgroup = kConsumers;
 constexpr bool kSendWarps = Sink::kSendWarps > 0;
@@ -189,8 +193,8 @@ static_assert(!(Sink::kEnabled && OutTile::kSwizzled), "the peer sink reads the 
 constexpr int kSmemLimit = 227 * 1024;  // the most one block may opt in to on sm_90
 constexpr int kStaticSmem = Sink::kEnabled ? 2048 : 0;
 constexpr int kMaxStages = 6;
-constexpr int kTailBytes =
-    2 * kMaxStages * 8 + 32 + kMaxStages * 4 + (EPSERVE_MAX_LOCAL_EXPERTS + 1) * 4 + (kSplitK > 1 ? 16 : 0);
+constexpr int kTailBytes = (2 * kMaxStages + SplitK::kStoredBarriers) * 8 + 32 + kMaxStages * 4 +
+                           (EPSERVE_MAX_LOCAL_EXPERTS + 1) * 4 + (kSplitK > 1 ? 16 : 0);
 constexpr int kFitStages = (kSmemLimit - kStaticSmem - OutTile::kBytes - kTailBytes) / (kStageA + kStageB);
 constexpr int kStages = kFitStages < kMaxStages ? kFitStages : kMaxStages;
 static_assert(kStages >= 2, "shared memory");
@@ -318,7 +322,8 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
   bf16_t* out_tile = reinterpret_cast<bf16_t*>(ring_b + kStages * kStageB);
   uint64_t* full = reinterpret_cast<uint64_t*>(reinterpret_cast<unsigned char*>(out_tile) + OutTile::kBytes);
   uint64_t* empty = full + kStages;
-  SendMailbox* mailbox = reinterpret_cast<SendMailbox*>(full + 2 * kMaxStages);
+  uint64_t* split_stored = full + 2 * kMaxStages;  // [SplitK::kStoredBarriers]
+  SendMailbox* mailbox = reinterpret_cast<SendMailbox*>(full + 2 * kMaxStages + SplitK::kStoredBarriers);
   int* stage_tile = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(mailbox) + 32);  // [kMaxStages]
   int* mtile_prefix = stage_tile + kMaxStages;
   unsigned* split_epoch_slot = reinterpret_cast<unsigned*>(mtile_prefix + EPSERVE_MAX_LOCAL_EXPERTS + 1);
@@ -329,6 +334,7 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
       mbarrier_init(&full[s], 1);
       mbarrier_init(&empty[s], kConsumerThreads * kCluster);  // every consumer thread of every CTA: see `release`
     }
+    for (int w = 0; w < SplitK::kStoredBarriers; ++w) mbarrier_init(&split_stored[w], 128);
     fence_mbarrier_init();
   }
   // Split K: the launch's epoch, read by the thread that later takes the CTA's done ticket
@@ -503,6 +509,7 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
     };
     float acc[kAcc];
     bool tile_pending = false;  // the writer warps still hold the shared output tile
+    uint32_t split_stored_phase = 0;  // of split_stored[warpgroup]
     for (;;) {
       // The tile's first stage (the mainloop's wait on it returns at once). The follower's
       // index is the leader's remote store, which the cluster-scope acquire makes visible.
@@ -624,10 +631,16 @@ extern "C" __global__ void EPSERVE_GEMM_CLUSTER_DIMS __launch_bounds__(kThreads,
 #pragma unroll
             for (int p = 0; p < kAcc / 2; ++p)
               st_global_f32x2(split_acc + split_slot + p * 128, acc[2 * p], acc[2 * p + 1]);
-            // Every thread of the warpgroup has stored; one releases the flag at GPU scope.
-            if (warpgroup == 0) named_barrier_sync<SplitK::kBarrier, 128>();
-            else named_barrier_sync<SplitK::kBarrier + 1, 128>();
-            if (tid % 128 == 0) st_release_gpu(split_flag, split_epoch + 1);
+            // Every thread of the warpgroup has stored (each arrival a release at CTA scope);
+            // its thread 0 acquires them all, then releases the flag at GPU scope. The
+            // barrier's next phase cannot complete before this wait: it needs thread 0's
+            // next arrival.
+            mbarrier_arrive(&split_stored[warpgroup]);
+            if (tid % 128 == 0) {
+              mbarrier_wait(&split_stored[warpgroup], split_stored_phase);
+              st_release_gpu(split_flag, split_epoch + 1);
+            }
+            split_stored_phase ^= 1;
           }
           continue;
         }

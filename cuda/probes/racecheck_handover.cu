@@ -5,7 +5,8 @@
 // one idle warp (the producer's, 256-287) and three writer warps (288-383) that copy each
 // handed-over tile to global memory. Every protocol is ordered by construction: the drain
 // before the tile is written and the hand-over after it are the shipped mailbox's; what
-// -DEPSERVE_PROBE_PROTOCOL puts between them only adds orderings among the output threads:
+// -DEPSERVE_PROBE_PROTOCOL adds (between them, or after the hand-over) only orders the output
+// threads among themselves:
 //   0  both warpgroups write their 64 rows (the epilogue of a full tile)
 //   1  the first warpgroup writes the 64 rows of a tail alone
 //   2  as 1, after a named barrier the first warpgroup takes alone (128 threads)
@@ -16,6 +17,8 @@
 //      the thirty-fifth session)
 //   5  as 4, with the second warpgroup arriving at the 256-thread barrier without waiting
 //   6  as 4, ordered by two mbarriers of 128 arrivals instead (the shipped split tails)
+//   7  as 0, and after each hand-over each warpgroup takes a named barrier of its own (128
+//      threads; the split-K build's first halves through the thirty-fifth session)
 // Tile t of block b (key = b * tiles + t) holds, at row r and 2-byte column c, the low 16
 // bits of key * 7 + r * 64 + c + S, where S is the sum of the words the writing thread read
 // from the other warpgroup (0 without an exchange; word i of thread u is key * 4096 + u * 32
@@ -32,9 +35,9 @@ namespace {
 
 using namespace epserve;
 constexpr int kProtocol = EPSERVE_PROBE_PROTOCOL;
-static_assert(kProtocol >= 0 && kProtocol <= 6, "EPSERVE_PROBE_PROTOCOL: 0 .. 6");
-constexpr bool kExchange = kProtocol >= 4;
-constexpr int kRows = kProtocol == 0 ? 128 : 64;
+static_assert(kProtocol >= 0 && kProtocol <= 7, "EPSERVE_PROBE_PROTOCOL: 0 .. 7");
+constexpr bool kExchange = kProtocol >= 4 && kProtocol <= 6;
+constexpr int kRows = kProtocol == 0 || kProtocol == 7 ? 128 : 64;
 constexpr int kRowBytes = 128, kTileBytes = 128 * kRowBytes, kOutBytes = kTileBytes + 128 * 4;
 constexpr int kWriterWarps = 3;
 using Mailbox = TileMailbox<256, kWriterWarps * 32>;
@@ -106,6 +109,10 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     }
     Mailbox::hand_over(&mailbox, SmemTile{reinterpret_cast<const bf16_t*>(tile), kRowBytes / 2, kRows, 64}, key, 0,
                        tid);
+    if constexpr (kProtocol == 7) {
+      if (warpgroup == 0) named_barrier_sync_across_roles<5, 128>();
+      else named_barrier_sync_across_roles<6, 128>();
+    }
   }
   Mailbox::shutdown(&mailbox, tiles > 0, tid);
 }

@@ -10,10 +10,10 @@
 // the mailbox for every reader, compute-sanitizer's racecheck included). shutdown drains
 // the last tile and posts `done`, so both barriers are matched when the kernel ends. The
 // two sides reach each barrier from different code, so they are unaligned barriers.
-// Between the drain and the hand-over the output threads may order work among themselves
-// by mbarriers, not by a named barrier over part of them: with one, compute-sanitizer's
-// racecheck reports the tile's and the mailbox's writes unordered with the workers' reads
-// though they are ordered (launch/jobs/probe_racecheck_handover.py).
+// Inside their tile loop the output threads may order work among themselves by mbarriers,
+// not by a named barrier over part of them: with one, compute-sanitizer's racecheck reports
+// the tile's and the mailbox's writes unordered with the workers' reads though they are
+// ordered (launch/jobs/probe_racecheck_handover.py).
 #pragma once
 #include "common/ptx.cuh"
 #include "sinks/smem_tile.cuh"

@@ -1,7 +1,7 @@
 """Which orderings among a GEMM epilogue's output threads compute-sanitizer's racecheck accepts
 around the tile hand-over (cuda/probes/racecheck_handover.cu says what each protocol does):
 
-    python launch/jobs/probe_racecheck_handover.py [--protocols 0 1 2 3 4 5 6] [--blocks 24] [--tiles 8]
+    python launch/jobs/probe_racecheck_handover.py [--protocols 0 1 2 3 4 5 6 7] [--blocks 24] [--tiles 8]
 
 One GPU. For each protocol, runs this script again (--one) under `compute-sanitizer --tool
 racecheck --racecheck-report hazard`, which launches the probe once and checks every byte the
@@ -32,6 +32,7 @@ PROTOCOLS = {
     4: "exchange by named barriers (split tails <= s35)",
     5: "4, the second warpgroup arrives only",
     6: "exchange by mbarriers (the shipped split tails)",
+    7: "0 + a barrier a warpgroup after (split-K <= s35)",
 }
 ROW_BYTES, ROWS = 128, 128
 OUT_BYTES = ROWS * ROW_BYTES + ROWS * 4
@@ -40,13 +41,13 @@ POISON = 0xAB
 
 def expected(protocol: int, blocks: int, tiles: int) -> np.ndarray:
     """The bytes the writer warps must leave in `out`: [blocks * tiles, OUT_BYTES]."""
-    rows = 128 if protocol == 0 else 64
+    rows = 128 if protocol in (0, 7) else 64
     out = np.full((blocks * tiles, OUT_BYTES), POISON, dtype=np.uint8)
     key = np.arange(blocks * tiles, dtype=np.uint64)[:, None, None]
     r = np.arange(rows, dtype=np.uint64)[None, :, None]
     c = np.arange(ROW_BYTES // 2, dtype=np.uint64)[None, None, :]
     words = np.zeros((1, 1, 1), dtype=np.uint64)
-    if protocol >= 4:
+    if 4 <= protocol <= 6:
         # the writing thread of (r, c): warp r // 16, lane (r % 8) * 4 + c % 4 of the first warpgroup
         u = (r // 16) * 32 + (r % 8) * 4 + c % 4
         words = (32 * key * 4096 + 32 * u * 32 + 31 * 32 // 2) & 0xFFFFFFFF

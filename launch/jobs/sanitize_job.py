@@ -2,6 +2,7 @@
 
     python launch/run.py -n 2 --share-gpu -- compute-sanitizer --tool memcheck --report-api-errors no \\
         --error-exitcode 9 $(command -v python3) -m mpi4py launch/jobs/sanitize_job.py [--expert-dtype fp8]
+        [--gemm2-split always]
 
 (--tool memcheck, racecheck, synccheck or initcheck.) Two calls, each forward fused (peer
 sink, direct dispatch) and unfused (null sink, NCCL dispatch or the IPC copy), so every
@@ -13,7 +14,9 @@ sanitizer's instrumentation. The outputs are checked too (fused == unfused bitwi
 With --expert-dtype fp8 the same calls run FP8 experts (weights from quantize_weights, the
 dispatch quantizing in its send, the block-scaled GEMMs), checked against the float64 FP8
 reference on the same quantized weights, at sizes that give each FP8 GEMM two 256-wide column
-tiles and several k-blocks.
+tiles and several k-blocks. With --gemm2-split always, bf16 GEMM 2 runs its split build (each
+tile in two K halves, the first half's accumulators handed to the second through global
+memory), which the layer picks by itself only at shapes too large for a sanitizer.
 Prints `# sanitize_job: ok` or the failures, and a `RESULT` line per rank; exits 1 on a wrong
 result (the sanitizer's own findings give its exit code).
 
@@ -28,6 +31,9 @@ What the tools need and said on an H200, and with FP8 experts on an H100 (two ra
   sides; with bar.arrive on one side racecheck reported 6). Until the thirty-fifth session
   it reported the bf16 wgmma GEMM's stop index racing with the tile index reads (stages freed
   by one thread a warpgroup: fixed);
+- racecheck, bf16 experts with --gemm2-split always: 0 hazards since the thirty-sixth session
+  (8 before, on the tile mailbox, for the same cause as the FP8 reports below: the first
+  halves gathered their stores by a named barrier of each warpgroup, now by mbarriers);
 - racecheck, FP8 experts: 0 hazards since the thirty-sixth session. Before, 3-116 a run in
   GEMM 1's split-tail epilogue: the output tile and the tile mailbox against the writer
   warps' reads after the hand-over. The protocol was ordered; racecheck reports any named
@@ -41,6 +47,7 @@ What the tools need and said on an H200, and with FP8 experts on an H100 (two ra
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import cupy
@@ -52,6 +59,7 @@ from epserve.check.fp8_layer_reference import quantized_weights, reference_layer
 from epserve.check.reference import reference_layer, rel_error
 from epserve.check.testing import layer_inputs
 from epserve.comm import mpi as ep_comm
+from epserve.ffn import tiles
 
 # Experts of more than one 128-row tile, and two column tiles in each GEMM: the bf16 GEMMs'
 # tiles are 128 wide, the FP8 GEMMs' 256 (whose K also comes in 128-wide blocks).
@@ -77,8 +85,14 @@ def _reference(everyone, E, expert_dtype, rank):
 def main():
     p = argparse.ArgumentParser(prog="launch/jobs/sanitize_job.py")
     p.add_argument("--expert-dtype", choices=sorted(HIDDEN_INTERMEDIATE), default="bf16")
+    p.add_argument("--gemm2-split", choices=tiles.SPLIT_MODES, default="auto",
+                   help=f"bf16 experts' GEMM 2 split build (${tiles.SPLIT_ENV}): 'always' runs it at these sizes")
     args = p.parse_args()
     dtype = args.expert_dtype
+    if args.gemm2_split != "auto":
+        if dtype != "bf16":
+            p.error("--gemm2-split: only bf16 experts' GEMM 2 has a split build")
+        os.environ[tiles.SPLIT_ENV] = args.gemm2_split
     hidden, intermediate = HIDDEN_INTERMEDIATE[dtype]
     comm = ep_comm.world()
     rank, world = comm.Get_rank(), comm.Get_size()

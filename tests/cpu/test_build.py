@@ -100,16 +100,16 @@ def test_racecheck_handover_probe_compiles_for_every_protocol(cache):
     barriers each protocol promises, and refuses one past them; the bytes the job expects
     leave a tail's rows past 64 as poisoned."""
     probe = _job("probe_racecheck_handover")
-    assert sorted(probe.PROTOCOLS) == list(range(7))
+    assert sorted(probe.PROTOCOLS) == list(range(8))
     for protocol in probe.PROTOCOLS:
         ptx = build.compile_source(probe.SOURCE, {"EPSERVE_PROBE_PROTOCOL": protocol}).ptx.read_text()
         assert f".entry {probe.KERNEL}" in ptx
         assert ("barrier.arrive 5, 256" in ptx) == (protocol == 5), protocol
-        assert ("barrier.sync 6, 128" in ptx) == (protocol in (2, 4, 5)), protocol
+        assert ("barrier.sync 6, 128" in ptx) == (protocol in (2, 4, 5, 7)), protocol
         assert ("mbarrier.try_wait" in ptx) == (protocol == 6), protocol
     with pytest.raises(BuildError):
-        build.compile_source(probe.SOURCE, {"EPSERVE_PROBE_PROTOCOL": 7})
-    full, tail = probe.expected(0, 2, 3), probe.expected(6, 2, 3)
+        build.compile_source(probe.SOURCE, {"EPSERVE_PROBE_PROTOCOL": 8})
+    full, tail = probe.expected(7, 2, 3), probe.expected(6, 2, 3)
     assert full.shape == tail.shape == (6, probe.OUT_BYTES)
     assert (tail[:, 64 * probe.ROW_BYTES : probe.ROWS * probe.ROW_BYTES] == probe.POISON).all()
     assert not (full[:, : probe.ROWS * probe.ROW_BYTES] == probe.POISON).all(axis=1).any()
