@@ -115,6 +115,11 @@ def test_racecheck_handover_probe_compiles_for_every_protocol(cache):
     assert not (full[:, : probe.ROWS * probe.ROW_BYTES] == probe.POISON).all(axis=1).any()
     # the exchange's words change the values: a protocol that skipped the reads would be #wrong
     assert (probe.expected(6, 2, 3) != probe.expected(1, 2, 3)).any()
+    # racecheck's summary line, as compute-sanitizer 2025.3 prints it
+    summary = "========= RACECHECK SUMMARY: 4 hazards displayed (22128 errors, 0 warnings)"
+    assert probe.racecheck_errors("x\n" + summary + "\n") == 22128
+    assert probe.racecheck_errors("========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)") == 0
+    assert probe.racecheck_errors("no summary: the run died") is None
 
 # The FP8 GEMM's diagnostic builds (cuda/gemm/grouped_gemm_fp8.cu, launch/jobs/probe_gemm_fp8.py):
 # not shipped, so not in kernels.VARIANTS, but the next GPU run needs them to compile.
