@@ -1,7 +1,9 @@
 """The kernel build, on a machine with no GPU: every shipped variant compiles for sm_90a
 through the same function the runtime uses; the cache is keyed by every included file."""
 
+import importlib.util
 import re
+from pathlib import Path
 
 import pytest
 
@@ -9,14 +11,12 @@ from epserve.errors import BuildError
 from epserve.runtime import build, kernels
 from epserve.runtime.kernel_structs import PEER_SEND_CONFIG
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def _job(name: str):
     """launch/jobs/`name`.py as a module (its main is not run)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "launch" / "jobs" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
+    spec = importlib.util.spec_from_file_location(name, ROOT / "launch" / "jobs" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -46,12 +46,9 @@ def test_fp8_experimental_builds_compile_without_spills_or_serialized_wgmmas(bas
     Before test_key_covers_defines_options_and_every_included_header on purpose: after NVRTC
     13.5 has compiled any program with -G, later compiles in the same process differ (the
     default gemm_fp8_peer then spills 36 bytes; in a fresh process, none)."""
-    from pathlib import Path
-
     from epserve.ffn import gemm_fp8
 
-    root = Path(__file__).resolve().parents[2]
-    gpu_test = (root / "tests" / "gpu" / "test_gemm_fp8.py").read_text()
+    gpu_test = (ROOT / "tests" / "gpu" / "test_gemm_fp8.py").read_text()
     source, defines = kernels.VARIANTS[base]
     source_text = "".join(build.include_closure(source).values())  # the kernel and every header it reads
     for knob, knobs in gemm_fp8.KNOBS.items():
@@ -215,14 +212,8 @@ def test_split_k_is_refused_outside_gemm2_wide_tiles_on_single_ctas(base, knob, 
 
 def test_time_gemm_variants_name_only_real_knobs():
     """A misspelt define would time the default kernel under a variant's name."""
-    import importlib.util
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("time_gemm", root / "launch" / "jobs" / "time_gemm.py")
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
-    source = (root / "cuda" / kernels.WGMMA_GEMM_SOURCE).read_text()
+    job = _job("time_gemm")
+    source = (ROOT / "cuda" / kernels.WGMMA_GEMM_SOURCE).read_text()
     for base, knobs in job.VARIANTS.values():
         assert base in kernels.VARIANTS
         for name in knobs:
@@ -355,14 +346,8 @@ def test_kernel_functions_are_looked_up_once_per_device(monkeypatch):
 def test_fp8_probe_job_names_only_real_knobs():
     """A misspelt define would build the default kernel under a probe's name and prove nothing:
     every knob launch/jobs/probe_gemm_fp8.py sets is one the FP8 GEMM reads."""
-    import importlib.util
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("probe_gemm_fp8", root / "launch" / "jobs" / "probe_gemm_fp8.py")
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
-    source = (root / "cuda" / "gemm" / "grouped_gemm_fp8.cu").read_text()
+    job = _job("probe_gemm_fp8")
+    source = (ROOT / "cuda" / "gemm" / "grouped_gemm_fp8.cu").read_text()
     for knobs, _ in list(job.PROBES.values()) + [(k, None) for k in FP8_PROBE_KNOBS]:
         for name in knobs:
             assert f"#ifndef {name}\n" in source, name
