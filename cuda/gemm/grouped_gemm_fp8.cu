@@ -167,20 +167,6 @@
 #ifndef EPSERVE_GEMM_FP8_TAKE_AHEAD
 #define EPSERVE_GEMM_FP8_TAKE_AHEAD 0
 #endif
-// EPSERVE_GEMM_FP8_ALTERNATE_TAILS=1 (GEMM 2, with the split tails; being measured): a tail's
-// k-blocks are dealt to the two warpgroups in turn (warpgroup h takes k-blocks h, h + 2, ...),
-// each computing all 256 columns of the tile's 64 rows the way a whole tile's warpgroup
-// computes its own 64 rows, so one warpgroup's promotion runs under the other's wgmmas; the
-// split tails' two warpgroups instead issue on the same stage at once and then promote at
-// once, the tensor pipe idle meanwhile (~913 cycles a k-block for 512 of MMA: notes/gemm.md,
-// twenty-ninth session). The epilogue adds the two partial sums, each warpgroup finishing one
-// 128-column half from its own sum and the other's, exchanged through the output tile's bytes.
-// Not the split build's bits on tail rows: each sums its k-blocks in another order (two
-// partial fp32 sums added once), so the tail rows round differently from a whole tile's rows;
-// whole tiles are untouched.
-#ifndef EPSERVE_GEMM_FP8_ALTERNATE_TAILS
-#define EPSERVE_GEMM_FP8_ALTERNATE_TAILS 0
-#endif
 
 namespace {
 
@@ -260,12 +246,7 @@ constexpr bool kSplitTails = EPSERVE_GEMM_FP8_SPLIT_TAILS != 0;
 // and the mailbox's writes unordered with the writer warps' reads after the hand-over (a
 // standalone kernel with this protocol and nothing else shows it: notes/gemm.md,
 // thirty-sixth session); with mbarriers it reports none.
-constexpr bool kAlternateTails = EPSERVE_GEMM_FP8_ALTERNATE_TAILS != 0;
-static_assert(!kAlternateTails || (kSplitTails && !kSwiGLU),
-              "EPSERVE_GEMM_FP8_ALTERNATE_TAILS: GEMM 2's split tails (GEMM 1's SwiGLU epilogue has no build of it)");
-// The alternate tails' exchange takes the same two barriers, each over all 256 output threads.
-constexpr int kSplitBarriers = kSplitTails && (kSwiGLU || kAlternateTails) ? 2 : 0;
-constexpr int kSplitArrivals = kAlternateTails ? kConsumerThreads : 128;
+constexpr int kSplitBarriers = kSplitTails && kSwiGLU ? 2 : 0;
 
 // The finished tile in shared memory. GEMM 2: kBM rows of kOutCols bf16, each row padded by
 // 16 bytes (bank spread; the peer sink reads rows by stride), as in the bf16 kernel. GEMM 1:
@@ -312,13 +293,13 @@ __device__ __forceinline__ int scale_box_col(int m_abs) {
   return kUnalignedScales ? m_abs : m_abs & ~(kScaleAlign - 1);
 }
 
-// GEMM 2's epilogue: sum's n8 blocks kFirst .. kFirst + kBlocks - 1 to the bf16 output tile.
-// n8 block j: values 4j, 4j+1 at (row, col0 + 8j, +1), 4j+2, 4j+3 at row + 8.
-template <int kBlocks, int kFirst = 0>
+// GEMM 2's epilogue: sum's first kBlocks n8 blocks to the bf16 output tile. n8 block j:
+// values 4j, 4j+1 at (row, col0 + 8j, +1), 4j+2, 4j+3 at row + 8.
+template <int kBlocks>
 __device__ __forceinline__ void store_bf16_tile_rows(unsigned char* out_tile, const float (&sum)[128], int row,
                                                      int col0) {
 #pragma unroll
-  for (int j = kFirst; j < kFirst + kBlocks; ++j) {
+  for (int j = 0; j < kBlocks; ++j) {
     *reinterpret_cast<uint32_t*>(out_tile + OutTile::byte_offset(row, col0 + 8 * j)) =
         pack_bf16x2(sum[4 * j], sum[4 * j + 1]);
     *reinterpret_cast<uint32_t*>(out_tile + OutTile::byte_offset(row + 8, col0 + 8 * j)) =
@@ -341,31 +322,6 @@ __device__ __forceinline__ void store_act_rows(unsigned char* out_tile, float* o
     out_scales[row] = s.x;
     out_scales[row + 8] = s.y;
   }
-}
-
-// EPSERVE_GEMM_FP8_ALTERNATE_TAILS's epilogue for warpgroup kMine: its partial sum of the
-// other half's 128 columns to the other warpgroup, the other's partial of its own half added
-// to its own (fp32, one rounding), then its half of the tile's first 64 rows to the bf16
-// output tile. The two partials pass through the output tile's bytes (free since the drain):
-// region h (64 x 128 floats, word i of thread t at i * 128 + t) holds half h's partial from
-// the warpgroup that does not finish it; `written` and `read` (every output thread arrives)
-// order the regions' writes before their reads, and every read before the bf16 rows over them.
-template <int kMine>
-__device__ __forceinline__ void finish_alternate_tail(float (&sum)[128], unsigned char* out_tile, int t128, int row,
-                                                      int col0, uint64_t* written, uint64_t* read, uint32_t phase) {
-  constexpr int kOther = 1 - kMine;
-  float* xchg = reinterpret_cast<float*>(out_tile);
-  float* give = xchg + kOther * 64 * 128;
-#pragma unroll
-  for (int i = 0; i < 64; ++i) give[i * 128 + t128] = sum[64 * kOther + i];
-  mbarrier_arrive(written);
-  mbarrier_wait(written, phase);
-  const float* take = xchg + kMine * 64 * 128;
-#pragma unroll
-  for (int i = 0; i < 64; ++i) sum[64 * kMine + i] += take[i * 128 + t128];
-  mbarrier_arrive(read);
-  mbarrier_wait(read, phase);
-  store_bf16_tile_rows<16, 16 * kMine>(out_tile, sum, row, col0);
 }
 
 // tma_load_2d, or (EPSERVE_GEMM_FP8_TMA_LOADS) its bytes counted as arrived without a load;
@@ -476,8 +432,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       mbarrier_init(&empty[s], kStageReleases);  // one arrival per consumer thread: see `release`
     }
     if constexpr (kSplitBarriers > 0) {
-      mbarrier_init(split_written, kSplitArrivals);
-      mbarrier_init(split_read, kSplitArrivals);
+      mbarrier_init(split_written, 128);
+      mbarrier_init(split_read, 128);
     }
     fence_mbarrier_init();
   }
@@ -734,37 +690,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       // to sum[0, 64), the scales of its rows are those of srow.
       const bool split = kSplitTails && t.rows <= 64;
       const int srow = warp * 16 + lane / 4;
-      const bool computes = split ? (kAlternateTails || warpgroup == 0 || second_half) : warpgroup * 64 < t.rows;
-      if (kAlternateTails && split) {
-        // EPSERVE_GEMM_FP8_ALTERNATE_TAILS: this warpgroup's k-blocks (kt % 2 == warpgroup),
-        // all 256 columns of the tile's 64 rows; the other warpgroup's stages are freed once
-        // loaded (an arrival before the load would count toward the stage's previous use).
-#pragma unroll
-        for (int i = 0; i < 128; ++i) sum[i] = 0.f;
-        for (int kt = 0; kt < k_blocks; ++kt) {
-          if ((kt & 1) != warpgroup) {
-            mbarrier_wait(&full[stage], phase);
-            release(stage);
-            advance();
-            continue;
-          }
-          const float b_scale0 = __ldg(sb0 + kt), b_scale1 = __ldg(sb1 + kt);  // in flight during the wait
-          mbarrier_wait(&full[stage], phase);
-          const float* sa = ring_sa + stage * (kStageScales / 4) + (t.m_abs - scale_box_col(t.m_abs));
-          const float a_lo = sa[srow], a_hi = sa[srow + 8];
-          const uint32_t a = ring_a_desc + stage * kStageA / 16;  // the stage's one A box: the tail's 64 rows
-          const uint32_t b = ring_b_desc + stage * kStageB / 16;
-          k_block_mma<kMma>(part, a, b);
-          if (!second_half) release(stage);
-          if constexpr (kMma) promote<0>(sum, part, a_lo * b_scale0, a_hi * b_scale0);
-          if (second_half) {
-            k_block_mma<kMma>(part, a, b + kHalfN * kBK / 16);
-            release(stage);
-            if constexpr (kMma) promote<64>(sum, part, a_lo * b_scale1, a_hi * b_scale1);
-          }
-          advance();
-        }
-      } else if (!kAlternateTails && split && computes) {
+      const bool computes = split ? (warpgroup == 0 || second_half) : warpgroup * 64 < t.rows;
+      if (split && computes) {
         const int b_off = warpgroup * kHalfN * kBK;  // the stage's first 64 rows of A are its only box
         const float* sbh = warpgroup == 1 ? sb1 : sb0;
 #pragma unroll
@@ -851,16 +778,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           // Both barriers' next phases come after this tile's hand-over: the second warpgroup
           // writes again only after the next drain, which the writer warps reach after this
           // hand-over, which the first warpgroup reaches after both waits.
-          split_phase ^= 1;
-        } else if constexpr (kAlternateTails) {
-          static_assert(!kAlternateTails || kBM * OutTile::kRowBytes >= 2 * 64 * 128 * 4,
-                        "the alternate tails' exchange fits the output tile");
-          if (warpgroup == 0)
-            finish_alternate_tail<0>(sum, out_tile, tid % 128, srow, 2 * (lane % 4), split_written, split_read,
-                                     split_phase);
-          else
-            finish_alternate_tail<1>(sum, out_tile, tid % 128, srow, 2 * (lane % 4), split_written, split_read,
-                                     split_phase);
           split_phase ^= 1;
         } else if (computes) {  // half h's 128 columns of the first 64 rows
           store_bf16_tile_rows<kHalfN / 8>(out_tile, sum, srow, warpgroup * kHalfN + 2 * (lane % 4));
