@@ -90,7 +90,6 @@ def test_fp8_consumer_loop_probe_compiles_at_every_level(cache):
         build.compile_source(probe.SOURCE, {"EPSERVE_PROBE_LEVEL": 11})
 
 
-
 def test_racecheck_handover_probe_compiles_for_every_protocol(cache):
     """launch/jobs/probe_racecheck_handover.py's kernel (the shipped tile mailbox with the
     orderings racecheck was asked about) builds for every protocol the job names, with the
@@ -117,6 +116,7 @@ def test_racecheck_handover_probe_compiles_for_every_protocol(cache):
     assert probe.racecheck_errors("x\n" + summary + "\n") == 22128
     assert probe.racecheck_errors("========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)") == 0
     assert probe.racecheck_errors("no summary: the run died") is None
+
 
 # The FP8 GEMM's diagnostic builds (cuda/gemm/grouped_gemm_fp8.cu, launch/jobs/probe_gemm_fp8.py):
 # not shipped, so not in kernels.VARIANTS, but the next GPU run needs them to compile.
