@@ -55,7 +55,7 @@ def check_defines(defines: dict[str, int], source: str) -> None:
     under another name."""
     for key in defines:
         if f"#ifndef {key}\n" not in source:
-            raise ValueError(f"{key} is not a define of cuda/gemm/grouped_gemm_fp8.cu")
+            raise ValueError(f"{key} is not a define of cuda/gemm/grouped_gemm_fp8.cu or block_scaled_mma.cuh")
 
 
 def gated_runs(rs, offsets_host, weights, H, I, knobs):
@@ -132,12 +132,13 @@ def main():
     from epserve.ffn import gemm_fp8
     from epserve.runtime import build
 
-    source = (build.find_cuda_root() / "gemm" / "grouped_gemm_fp8.cu").read_text()
+    gemm_dir = build.find_cuda_root() / "gemm"  # the kernel and the consumer step it includes
+    source = "".join((gemm_dir / name).read_text() for name in ("grouped_gemm_fp8.cu", "block_scaled_mma.cuh"))
     knobs = list(args.knobs)
     for spec in args.build:
         name, defines = parse_build(spec)
         check_defines(defines, source)
-        gemm_fp8.KNOBS[name] = {**gemm_fp8.KNOBS[gemm_fp8.SHIPPED["gemm_fp8_null"]], **defines}
+        gemm_fp8.KNOBS[name] = defines  # on top of each problem's shipped build (GEMM 1's has no take-ahead)
         knobs.append(name)
     unknown = [k for k in knobs if k not in gemm_fp8.KNOBS]
     if unknown:

@@ -51,9 +51,14 @@ def sass_counts(cubin) -> tuple[int, int] | None:
 
 
 def run_level(level: int, k_blocks: int, sms: int, tile_k_blocks: int = 16, random_data: bool = False,
-              repeat: int = 0) -> dict:
+              repeat: int = 0, defines: dict | None = None, sass_dir: str | None = None) -> dict:
     art = build.compile_source(SOURCE, {"EPSERVE_PROBE_LEVEL": level, "EPSERVE_PROBE_TILE_KB": tile_k_blocks,
-                                        "EPSERVE_PROBE_RANDOM_DATA": int(random_data)})
+                                        "EPSERVE_PROBE_RANDOM_DATA": int(random_data), **(defines or {})})
+    if sass_dir and shutil.which("nvdisasm"):
+        tag = "_".join([f"level{level}"] + [f"{k}-{v}" for k, v in sorted((defines or {}).items())])
+        text = subprocess.run(["nvdisasm", "-c", "-hex", str(art.cubin)], capture_output=True, text=True).stdout
+        with open(f"{sass_dir}/{tag}.sass", "w") as f:
+            f.write(text)
     mod = cupy.RawModule(path=str(art.cubin))
     fn = mod.get_function(KERNEL)
     smem = module_int(mod, "epserve_probe_smem_bytes")
@@ -89,19 +94,24 @@ def main():
     p.add_argument("--repeat", type=int, default=0,
                    help="also launch each level this many times back to back: ns a k-block and the SM clock, "
                         "settled under the power cap (medians of the second half)")
+    p.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                   help="a compile-time define for the probe's build (e.g. EPSERVE_GEMM_FP8_PROMOTE_RUNS=1); repeatable")
+    p.add_argument("--sass-dir", help="write each build's SASS (nvdisasm -c -hex) into this folder")
     p.add_argument("--tile-k-blocks", type=int, nargs="+", default=[16], help="levels 7 and 8: k-blocks between barriers")
     args = p.parse_args()
+    defines = dict(d.split("=", 1) for d in args.define)
     dev = cupy.cuda.runtime.getDeviceProperties(0)
     sms = dev["multiProcessorCount"]
     data = "random e4m3 operands" if args.random_data else "operands near 1"
+    built = ", " + " ".join(args.define) if args.define else ""
     print(f"# FP8 consumer loop, no memory traffic: {dev['name'].decode()}, {sms} CTAs, {args.k_blocks} k-blocks "
-          f"each, {data}")
+          f"each, {data}{built}")
     sustained = f"{'ns/k-block':>11}{'MHz':>6}" if args.repeat else ""
     print(f"{'level':>5}  {'what':<48}{'cycles/k-block':>15}{'tensor util':>12}{sustained}{'R2UR':>6}{'SASS lines':>11}")
     for level in args.levels:
         tiled = level in (7, 8)  # the levels with a barrier every tile
         for tile in args.tile_k_blocks if tiled else [16]:
-            r = run_level(level, args.k_blocks, sms, tile, args.random_data, args.repeat)
+            r = run_level(level, args.k_blocks, sms, tile, args.random_data, args.repeat, defines, args.sass_dir)
             r2ur, lines = r["sass"] or ("-", "-")
             what = LEVELS[level] + (f" ({tile})" if tiled else "")
             settled = f"{r['ns']:>11.1f}{r['mhz']:>6.0f}" if args.repeat else ""
