@@ -84,27 +84,8 @@ __device__ __forceinline__ void k_block_mma(float (&part)[64], Operand a, Operan
 // sum[kOffset + i] += part[i] * scale of part[i]'s row: s_lo for this thread's row
 // (part[4j], part[4j+1]), s_hi for the row 8 below (part[4j+2], part[4j+3]). One rounded
 // fma per value, written out so every build (fused SwiGLU or not) rounds alike.
-// EPSERVE_GEMM_FP8_PROMOTE_RUNS=1 issues the same fmas in two runs, every s_lo one and then
-// every s_hi one, so that consecutive fmas share their scale operand (the operand reuse cache
-// can then spare its register read): the same fma per value, so the same bits.
-#ifndef EPSERVE_GEMM_FP8_PROMOTE_RUNS
-#define EPSERVE_GEMM_FP8_PROMOTE_RUNS 0
-#endif
 template <int kOffset>
 __device__ __forceinline__ void promote(float (&sum)[128], const float (&part)[64], float s_lo, float s_hi) {
-#if EPSERVE_GEMM_FP8_PROMOTE_RUNS
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    sum[kOffset + 4 * j] = __fmaf_rn(part[4 * j], s_lo, sum[kOffset + 4 * j]);
-    sum[kOffset + 4 * j + 1] = __fmaf_rn(part[4 * j + 1], s_lo, sum[kOffset + 4 * j + 1]);
-  }
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    sum[kOffset + 4 * j + 2] = __fmaf_rn(part[4 * j + 2], s_hi, sum[kOffset + 4 * j + 2]);
-    sum[kOffset + 4 * j + 3] = __fmaf_rn(part[4 * j + 3], s_hi, sum[kOffset + 4 * j + 3]);
-  }
-  return;
-#endif
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
     sum[kOffset + 4 * j] = __fmaf_rn(part[4 * j], s_lo, sum[kOffset + 4 * j]);

@@ -107,6 +107,21 @@ def dsv3_rows_and_weights(rs, need_weights: bool):
     return H, I, offsets_host, weights
 
 
+# The kernel variant each problem's rows launch, for the machine-code column.
+PROBLEM_BASES = {"gemm2 gated": "gemm_fp8_peer", "gemm2 null": "gemm_fp8_null", "gemm1": "gemm1_fp8_swiglu"}
+
+
+def code_digest(problem: str, row: str) -> str:
+    """A digest of the machine code of the build a row times (epserve.runtime.machine_code):
+    two builds with one digest run the same instructions, so their rows differ by noise only."""
+    from epserve.runtime import build, kernels, machine_code
+
+    base = PROBLEM_BASES.get(problem, "gemm_fp8_null")  # denseK: the null build
+    variant = base if row == SHIPPED else f"{base}+{row.removeprefix('FP8, ')}"
+    source, defines = kernels.VARIANTS[variant]
+    return machine_code.digest(build.compile_source(source, defines).cubin)
+
+
 def bench_row(fn, clock) -> tuple[float, float, float]:
     """(median ms, MHz after, MHz during) of fn timed as a bench row: the clock read right
     after the row's calls, and during one more call (from a third of its time, for a third)."""
@@ -178,10 +193,11 @@ def main():
     dev = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"# FP8 GEMM builds on {dev}, each timed as a bench row (0.25 s idle, 3 + 10 calls, median), "
           f"{args.rounds} rounds A B .. B A; #wrong: elements differing in any bit from the shipped build; "
-          f"SM clock (MHz, medians) during one more call of the row and right after the row")
+          f"SM clock (MHz, medians) during one more call of the row and right after the row; code: a digest of "
+          f"the build's machine code (a row whose code is the shipped build's differs from it by noise alone)")
     width = 7 * args.rounds + 2
     print(f"{'problem':<14}{'build':<28}{'rounds (us)':<{width}}{'us':>8}{'TFLOP/s':>9}{'during':>7}{'after':>6}"
-          f"{'vs shipped':>12}{'#wrong':>8}")
+          f"{'vs shipped':>12}{'#wrong':>8}  code")
     for g, name in labels:
         prob, runs, flops = groups[g]
         _, out, ref = runs[name]
@@ -191,7 +207,8 @@ def main():
         n_wrong = "-" if ref is None else str(wrong(out, runs[ref][1]))
         rounds = " ".join(f"{t * 1e3:6.0f}" for t in times[(g, name)])
         print(f"{prob:<14}{name:<28}{rounds:<{width}}{ms * 1e3:8.0f}{flops / ms / 1e9:9.0f}"
-              f"{np.median(during[(g, name)]):7.0f}{np.median(clocks[(g, name)]):6.0f}{vs:>12}{n_wrong:>8}")
+              f"{np.median(during[(g, name)]):7.0f}{np.median(clocks[(g, name)]):6.0f}{vs:>12}{n_wrong:>8}"
+              f"  {code_digest(prob, name)}")
 
 
 if __name__ == "__main__":

@@ -2,13 +2,16 @@
 traffic (cuda/probes/fp8_consumer_loop.cu says what each level adds):
 
     python launch/jobs/probe_fp8_consumer_loop.py [--levels 0 1 2 3 4 5 6 7 8 9] [--k-blocks 4096]
+        [--define EPSERVE_...=V] [--sass-dir DIR]
 
 One GPU, one CTA an SM. Prints, per level, the clock64 cycles a k-block takes (the slowest
 warpgroup's mean over the CTAs; 1024 at the full FP8 rate: 2 warpgroups x 2 halves x 4
 m64n128k32 wgmmas of 64 cycles each), the tensor utilisation that implies, and the ptxas
 facts that explain it: R2UR instructions (a descriptor moved into uniform registers before a
-wgmma) and the instruction count of the kernel. notes/gemm.md (twelfth and thirteenth
-sessions) has what it measured on an H200."""
+wgmma) and the instruction count of the kernel (with nvdisasm on the PATH), and a digest of
+the build's machine code: two builds (levels, --define) with one digest run the same
+instructions. notes/gemm.md (twelfth and thirteenth sessions) has what it measured on an
+H200."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import subprocess
 import cupy
 import numpy as np
 
-from epserve.runtime import build
+from epserve.runtime import build, machine_code
 from epserve.runtime.launch import module_int
 
 SOURCE = "probes/fp8_consumer_loop.cu"
@@ -83,6 +86,7 @@ def run_level(level: int, k_blocks: int, sms: int, tile_k_blocks: int = 16, rand
     per_cta = cycles.get().reshape(sms, 2).max(axis=1)
     per_k_block = float(per_cta.mean()) / k_blocks
     return {"cycles": per_k_block, "utilisation": IDEAL_CYCLES / per_k_block, "sass": sass_counts(art.cubin),
+            "code": machine_code.digest(art.cubin),
             "ns": wall_ns / k_blocks, "mhz": float(per_cta.mean()) / wall_ns * 1e3}
 
 
@@ -95,11 +99,15 @@ def main():
                    help="also launch each level this many times back to back: ns a k-block and the SM clock, "
                         "settled under the power cap (medians of the second half)")
     p.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
-                   help="a compile-time define for the probe's build (e.g. EPSERVE_GEMM_FP8_PROMOTE_RUNS=1); repeatable")
+                   help="a compile-time define the probe or a header it includes reads (#ifndef NAME); repeatable")
     p.add_argument("--sass-dir", help="write each build's SASS (nvdisasm -c -hex) into this folder")
     p.add_argument("--tile-k-blocks", type=int, nargs="+", default=[16], help="levels 7 and 8: k-blocks between barriers")
     args = p.parse_args()
     defines = dict(d.split("=", 1) for d in args.define)
+    sources = "".join(build.include_closure(SOURCE).values())
+    unread = [name for name in defines if f"#ifndef {name}\n" not in sources]
+    if unread:  # a misspelt define would time the default build under another name
+        p.error(f"--define {unread}: not a define of {SOURCE} or the headers it includes")
     dev = cupy.cuda.runtime.getDeviceProperties(0)
     sms = dev["multiProcessorCount"]
     data = "random e4m3 operands" if args.random_data else "operands near 1"
@@ -107,7 +115,7 @@ def main():
     print(f"# FP8 consumer loop, no memory traffic: {dev['name'].decode()}, {sms} CTAs, {args.k_blocks} k-blocks "
           f"each, {data}{built}")
     sustained = f"{'ns/k-block':>11}{'MHz':>6}" if args.repeat else ""
-    print(f"{'level':>5}  {'what':<48}{'cycles/k-block':>15}{'tensor util':>12}{sustained}{'R2UR':>6}{'SASS lines':>11}")
+    print(f"{'level':>5}  {'what':<48}{'cycles/k-block':>15}{'tensor util':>12}{sustained}{'R2UR':>6}{'SASS lines':>11}  code")
     for level in args.levels:
         tiled = level in (7, 8)  # the levels with a barrier every tile
         for tile in args.tile_k_blocks if tiled else [16]:
@@ -115,7 +123,7 @@ def main():
             r2ur, lines = r["sass"] or ("-", "-")
             what = LEVELS[level] + (f" ({tile})" if tiled else "")
             settled = f"{r['ns']:>11.1f}{r['mhz']:>6.0f}" if args.repeat else ""
-            print(f"{level:>5}  {what:<48}{r['cycles']:>15.1f}{r['utilisation'] * 100:>11.1f}%{settled}{r2ur:>6}{lines:>11}")
+            print(f"{level:>5}  {what:<48}{r['cycles']:>15.1f}{r['utilisation'] * 100:>11.1f}%{settled}{r2ur:>6}{lines:>11}  {r['code']}")
 
 
 if __name__ == "__main__":
