@@ -118,17 +118,6 @@ __device__ __forceinline__ void fence_mbarrier_init() {
       "r"(phase)                                                                         \
       : "memory")
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t phase) { EPSERVE_MBARRIER_WAIT(""); }
-// One test of the phase of this parity, without waiting: true once it is complete (with the
-// wait's acquire at CTA scope). A loop can test its next stage early and wait only if not.
-__device__ __forceinline__ bool mbarrier_test(uint64_t* bar, uint32_t phase) {
-  uint32_t done;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done)
-      : "r"(smem_u32(bar)), "r"(phase)
-      : "memory");
-  return done != 0;
-}
 __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }

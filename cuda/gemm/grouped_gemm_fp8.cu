@@ -167,21 +167,12 @@
 #ifndef EPSERVE_GEMM_FP8_TAKE_AHEAD
 #define EPSERVE_GEMM_FP8_TAKE_AHEAD 0
 #endif
-// Being tried (thirty-eighth session): EPSERVE_GEMM_FP8_EARLY_TEST=1, a whole tile's k-loop
-// tests the next stage's full barrier (mbarrier_test, no wait) right after freeing this
-// stage, before the last promotion, and the next k-block waits only where that test failed:
-// the barrier's latency then lies under the promotion's fmas instead of on the path between
-// the promotion and the next k-block's wgmmas. Same bits: the same wgmmas on the same stages.
-#ifndef EPSERVE_GEMM_FP8_EARLY_TEST
-#define EPSERVE_GEMM_FP8_EARLY_TEST 0
-#endif
 
 namespace {
 
 using Sink = EPSERVE_SINK;
 using namespace epserve;
 constexpr bool kSwiGLU = EPSERVE_GEMM_SWIGLU != 0;
-constexpr bool kEarlyTest = EPSERVE_GEMM_FP8_EARLY_TEST != 0;
 static_assert(!(kSwiGLU && Sink::kEnabled), "GEMM 1 keeps act on this GPU: its sink is the null one");
 constexpr int kBM = 128, kBN = 256, kBK = kFp8BlockK;  // kBN: accumulator columns of a tile
 constexpr int kHalfN = 128;  // columns of one part, and of one weight scale block
@@ -720,33 +711,20 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       } else if (computes) {
 #pragma unroll
         for (int i = 0; i < 128; ++i) sum[i] = 0.f;
-        bool stage_ready = false;  // EPSERVE_GEMM_FP8_EARLY_TEST: the last k-block's test passed
-        // The next stage's barrier, tested once this k-block has freed its own.
-        // The empty asm on the sums keeps the promotion's fmas after the test (ptxas otherwise
-        // schedules them first, and the test's latency is back on the path).
-        auto test_next = [&](int kt) {
-          const int next = stage + 1 == kStages ? 0 : stage + 1;
-          stage_ready = kt + 1 < k_blocks && mbarrier_test(&full[next], next == 0 ? phase ^ 1 : phase);
-          fence_operands(sum);
-        };
         for (int kt = 0; kt < k_blocks; ++kt) {
           const float b_scale0 = __ldg(sb0 + kt), b_scale1 = __ldg(sb1 + kt);  // in flight during the wait
-          if (!(kEarlyTest && stage_ready)) mbarrier_wait(&full[stage], phase);
+          mbarrier_wait(&full[stage], phase);
           const float* sa = ring_sa + stage * (kStageScales / 4) + (t.m_abs - scale_box_col(t.m_abs));
           const float a_lo = sa[row], a_hi = sa[row + 8];
           const uint32_t a = ring_a_desc + (stage * kStageA + warpgroup * kHalfA) / 16;
           const uint32_t b = ring_b_desc + stage * kStageB / 16;
           if constexpr (kTrace) trace_point(tid == 0 && kt == 0, seq, 8);
           k_block_mma<kMma>(part, a, b);
-          if (!second_half) {
-            release(stage);
-            if constexpr (kEarlyTest) test_next(kt);
-          }
+          if (!second_half) release(stage);
           if constexpr (kMma) promote<0>(sum, part, a_lo * b_scale0, a_hi * b_scale0);  // (a probe: sum stays 0)
           if (second_half) {
             k_block_mma<kMma>(part, a, b + kHalfN * kBK / 16);
             release(stage);
-            if constexpr (kEarlyTest) test_next(kt);
             if constexpr (kMma) promote<64>(sum, part, a_lo * b_scale1, a_hi * b_scale1);
           }
           if constexpr (kTrace) trace_point(tid == 0 && kt < 2, seq, 4 + min(kt, 1));

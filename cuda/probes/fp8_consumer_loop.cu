@@ -18,11 +18,6 @@
 //      after issuing its first
 //   10 level 3 with A from registers (the RS wgmma): each k-block's A rows read once by
 //      ldmatrix for both halves, instead of by each half's wgmmas from shared memory
-//   11 level 3 with the next stage's full barrier tested (not waited on) before the second
-//      half's promotion: the next k-block waits only where the test failed
-//   12 level 3 with the next k-block's stage (its descriptors, scale row, barrier, parity)
-//      computed while this k-block's second group runs, not between the last promotion and
-//      the next k-block's wgmmas
 // cycles[2 * block + warpgroup]: clock64 cycles of the warpgroup's loop.
 #include "common/ptx.cuh"
 #include "gemm/block_scaled_mma.cuh"
@@ -43,9 +38,8 @@ namespace {
 
 using namespace epserve;
 constexpr int kLevel = EPSERVE_PROBE_LEVEL;
-static_assert(kLevel >= 0 && kLevel <= 12, "EPSERVE_PROBE_LEVEL: 0 .. 12");
+static_assert(kLevel >= 0 && kLevel <= 10, "EPSERVE_PROBE_LEVEL: 0 .. 10");
 constexpr bool kProducer = kLevel >= 3 && kLevel != 6, kFullWait = kProducer && kLevel != 5;
-constexpr bool kEarlyTest = kLevel == 11, kPipelined = kLevel == 12;
 constexpr bool kTileBarrier = kLevel == 7 || kLevel == 8, kStagger = kLevel == 8, kHidden = kLevel == 9;
 constexpr bool kRegisterA = kLevel == 10;
 constexpr int kTileKBlocks = EPSERVE_PROBE_TILE_KB;
@@ -118,35 +112,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   const float fixed_scale = 1.f / (1 + threadIdx.x);
   int stage = 0;
   uint32_t phase = 0;
-  bool stage_ready = false;  // level 11: the test made before the last promotion passed
   const long long t0 = clock64();
-  if constexpr (kPipelined) {
-    uint32_t a = ring_a_desc + warpgroup * kHalfA / 16, b = ring_b_desc;
-    const float* sa = ring_sa + row;
-    uint64_t* bar = &full[0];
-    for (int kt = 0; kt < k_blocks; ++kt) {
-      const float b0 = __ldg(b_scales + kt), b1 = __ldg(b_scales + k_blocks + kt);
-      mbarrier_wait(bar, phase);
-      const float a_lo = sa[0], a_hi = sa[8];
-      k_block_mma_issue(part, a, b);
-      k_block_wait<0>(part);
-      promote<0>(sum, part, a_lo * b0, a_hi * b0);
-      k_block_mma_issue(part, a, b + kHalfB / 16);
-      uint64_t* done = &empty[stage];
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
-      a = ring_a_desc + (stage * kStageA + warpgroup * kHalfA) / 16;
-      b = ring_b_desc + stage * kStageB / 16;
-      sa = ring_sa + stage * (kStageScales / 4) + row;
-      bar = &full[stage];
-      k_block_wait<0>(part);
-      mbarrier_arrive(done);
-      promote<64>(sum, part, a_lo * b1, a_hi * b1);
-    }
-  }
-  for (int kt = 0; kt < (kPipelined ? 0 : k_blocks); ++kt) {
+  for (int kt = 0; kt < k_blocks; ++kt) {
     const bool tile_start = kTileBarrier && kt % kTileKBlocks == 0;
     if (tile_start) named_barrier_sync<1, 256>();
     float b0 = fixed_scale, b1 = fixed_scale, a_lo = 1.f, a_hi = 1.f;
@@ -154,7 +121,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       b0 = __ldg(b_scales + kt);
       b1 = __ldg(b_scales + k_blocks + kt);
     }
-    if (kFullWait && (!kHidden || kt == 0) && !(kEarlyTest && stage_ready)) mbarrier_wait(&full[stage], phase);
+    if (kFullWait && (!kHidden || kt == 0)) mbarrier_wait(&full[stage], phase);
     if constexpr (kLevel >= 2) {
       const float* sa = ring_sa + stage * (kStageScales / 4);
       a_lo = sa[row];
@@ -183,10 +150,6 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       k_block_wait<0>(part);
       if (kStagger && h == 0 && tile_start && warpgroup == 0) named_barrier_arrive<2, 256>();
       if (kLevel >= 3 && !kHidden && h == 1) mbarrier_arrive(&empty[stage]);
-      if (kEarlyTest && h == 1) {
-        const int next = stage + 1 == kStages ? 0 : stage + 1;
-        stage_ready = kt + 1 < k_blocks && mbarrier_test(&full[next], next == 0 ? phase ^ 1 : phase);
-      }
       const float s = h ? b1 : b0;
       if (h == 0) promote<0>(sum, part, a_lo * s, a_hi * s);
       else promote<64>(sum, part, a_lo * s, a_hi * s);

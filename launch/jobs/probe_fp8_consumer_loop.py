@@ -40,8 +40,6 @@ LEVELS = {
     8: "level 7, second warpgroup half a k-block behind",
     9: "level 3, the handshake under the wgmmas",
     10: "level 3, A from registers (RS wgmma)",
-    11: "level 3, next stage tested before promotion",
-    12: "level 3, next stage set up under the 2nd group",
 }
 
 
