@@ -55,7 +55,7 @@ def check_defines(defines: dict[str, int], source: str) -> None:
     under another name."""
     for key in defines:
         if f"#ifndef {key}\n" not in source:
-            raise ValueError(f"{key} is not a define of cuda/gemm/grouped_gemm_fp8.cu or block_scaled_mma.cuh")
+            raise ValueError(f"{key} is not a define of cuda/gemm/grouped_gemm_fp8.cu or a header it includes")
 
 
 def gated_runs(rs, offsets_host, weights, H, I, knobs):
@@ -147,8 +147,7 @@ def main():
     from epserve.ffn import gemm_fp8
     from epserve.runtime import build
 
-    gemm_dir = build.find_cuda_root() / "gemm"  # the kernel and the consumer step it includes
-    source = "".join((gemm_dir / name).read_text() for name in ("grouped_gemm_fp8.cu", "block_scaled_mma.cuh"))
+    source = "".join(build.include_closure("gemm/grouped_gemm_fp8.cu").values())  # the kernel and its headers
     knobs = list(args.knobs)
     for spec in args.build:
         name, defines = parse_build(spec)
