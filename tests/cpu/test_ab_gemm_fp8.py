@@ -63,3 +63,21 @@ def test_the_layer_launches_the_build_epserve_gemm_fp8_build_names(monkeypatch):
     monkeypatch.setenv("EPSERVE_GEMM_FP8_BUILD", "no-such-build")
     with pytest.raises(ConfigError, match="EPSERVE_GEMM_FP8_BUILD"):
         gemm_fp8.build_variant("gemm_fp8_peer")
+
+
+def test_the_code_column_tells_identical_builds_from_different_ones(job, monkeypatch, tmp_path):
+    """A --build whose defines change nothing shows the shipped build's digest on every
+    problem, a real knob another one: the rows of a build with the shipped code differ from
+    the shipped rows by noise alone (notes/gemm.md, thirty-eighth session)."""
+    from epserve.ffn import gemm_fp8
+    from epserve.runtime import kernels
+
+    monkeypatch.setenv("EPSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernels, "VARIANTS", dict(kernels.VARIANTS))
+    monkeypatch.setitem(gemm_fp8.KNOBS, "same", {"EPSERVE_GEMM_FP8_SPLIT_TAILS": 1})  # on in every shipped build
+    for problem, base in list(job.PROBLEM_BASES.items()) + [("dense8192", "gemm_fp8_null")]:
+        for knob in ("same", "split-unpublished"):
+            gemm_fp8.register_knob(base, knob)
+        shipped = job.code_digest(problem, job.SHIPPED)
+        assert job.code_digest(problem, "FP8, same") == shipped, problem
+        assert job.code_digest(problem, "FP8, split-unpublished") != shipped, problem

@@ -351,23 +351,3 @@ def test_fp8_probe_job_names_only_real_knobs():
     for knobs, _ in list(job.PROBES.values()) + [(k, None) for k in FP8_PROBE_KNOBS]:
         for name in knobs:
             assert f"#ifndef {name}\n" in source, name
-
-
-
-
-def test_ab_job_code_column_tells_identical_builds_from_different_ones(cache, monkeypatch):
-    """ab_gemm_fp8's code column: a --build whose defines change nothing shows the shipped
-    build's digest on every problem, a real knob shows another one (the rows of a build with the
-    shipped code differ from the shipped rows by noise alone: notes/gemm.md, thirty-eighth session)."""
-    from epserve.ffn import gemm_fp8
-
-    monkeypatch.syspath_prepend(str(ROOT / "launch" / "jobs"))  # the job imports its sibling jobs
-    job = _job("ab_gemm_fp8")
-    monkeypatch.setitem(gemm_fp8.KNOBS, "same", {"EPSERVE_GEMM_FP8_SPLIT_TAILS": 1})  # already on in every base
-    for problem, base in list(job.PROBLEM_BASES.items()) + [("dense8192", "gemm_fp8_null")]:
-        for knob in ("same", "split-unpublished"):
-            monkeypatch.setitem(kernels.VARIANTS, f"{base}+{knob}", kernels.VARIANTS[base])  # restored after
-            gemm_fp8.register_knob(base, knob)
-        shipped = job.code_digest(problem, job.SHIPPED)
-        assert job.code_digest(problem, "FP8, same") == shipped, problem
-        assert job.code_digest(problem, "FP8, split-unpublished") != shipped, problem
