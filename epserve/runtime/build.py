@@ -70,6 +70,14 @@ def include_closure(source: str) -> dict[str, str]:
     return seen
 
 
+def unread_defines(source: str, names) -> list[str]:
+    """Those of `names` that neither cuda/`source` nor a header it includes tests (``#ifndef
+    NAME`` or ``defined(NAME)``): an experiment's misspelt define would build the default code
+    under another name."""
+    text = "".join(include_closure(source).values())
+    return [n for n in names if f"#ifndef {n}\n" not in text and f"defined({n})" not in text]
+
+
 def nvrtc_version() -> tuple[int, int]:
     from cuda.bindings import nvrtc
 

@@ -2,22 +2,20 @@
 traffic (cuda/probes/fp8_consumer_loop.cu says what each level adds):
 
     python launch/jobs/probe_fp8_consumer_loop.py [--levels 0 1 2 3 4 5 6 7 8 9] [--k-blocks 4096]
-        [--define EPSERVE_...=V] [--sass-dir DIR]
+        [--define EPSERVE_...=V]
 
 One GPU, one CTA an SM. Prints, per level, the clock64 cycles a k-block takes (the slowest
 warpgroup's mean over the CTAs; 1024 at the full FP8 rate: 2 warpgroups x 2 halves x 4
 m64n128k32 wgmmas of 64 cycles each), the tensor utilisation that implies, and the ptxas
 facts that explain it: R2UR instructions (a descriptor moved into uniform registers before a
-wgmma) and the instruction count of the kernel (with nvdisasm on the PATH), and a digest of
+wgmma) and the instruction count of the kernel (where there is an nvdisasm), and a digest of
 the build's machine code: two builds (levels, --define) with one digest run the same
-instructions. notes/gemm.md (twelfth and thirteenth sessions) has what it measured on an
+instructions; launch/jobs/sass_listing.py lists a level's SASS. notes/gemm.md (twelfth and thirteenth sessions) has what it measured on an
 H200."""
 
 from __future__ import annotations
 
 import argparse
-import shutil
-import subprocess
 
 import cupy
 import numpy as np
@@ -44,24 +42,17 @@ LEVELS = {
 
 
 def sass_counts(cubin) -> tuple[int, int] | None:
-    """(R2UR, instructions) of a cubin, where nvdisasm is on the PATH."""
-    tool = shutil.which("nvdisasm")
-    if tool is None:
+    """(R2UR, instructions) of a cubin, where there is an nvdisasm (machine_code.find_nvdisasm)."""
+    if machine_code.find_nvdisasm() is None:
         return None
-    text = subprocess.run([tool, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
-    lines = [ln for ln in text.splitlines() if ln.strip().startswith("/*") and ";" in ln]
-    return sum("R2UR" in ln for ln in lines), len(lines)
+    code = machine_code.listing(cubin)
+    return sum("R2UR" in i.text for i in code), len(code)
 
 
 def run_level(level: int, k_blocks: int, sms: int, tile_k_blocks: int = 16, random_data: bool = False,
-              repeat: int = 0, defines: dict | None = None, sass_dir: str | None = None) -> dict:
+              repeat: int = 0, defines: dict | None = None) -> dict:
     art = build.compile_source(SOURCE, {"EPSERVE_PROBE_LEVEL": level, "EPSERVE_PROBE_TILE_KB": tile_k_blocks,
                                         "EPSERVE_PROBE_RANDOM_DATA": int(random_data), **(defines or {})})
-    if sass_dir and shutil.which("nvdisasm"):
-        tag = "_".join([f"level{level}"] + [f"{k}-{v}" for k, v in sorted((defines or {}).items())])
-        text = subprocess.run(["nvdisasm", "-c", "-hex", str(art.cubin)], capture_output=True, text=True).stdout
-        with open(f"{sass_dir}/{tag}.sass", "w") as f:
-            f.write(text)
     mod = cupy.RawModule(path=str(art.cubin))
     fn = mod.get_function(KERNEL)
     smem = module_int(mod, "epserve_probe_smem_bytes")
@@ -100,14 +91,11 @@ def main():
                         "settled under the power cap (medians of the second half)")
     p.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                    help="a compile-time define the probe or a header it includes reads (#ifndef NAME); repeatable")
-    p.add_argument("--sass-dir", help="write each build's SASS (nvdisasm -c -hex) into this folder")
     p.add_argument("--tile-k-blocks", type=int, nargs="+", default=[16], help="levels 7 and 8: k-blocks between barriers")
     args = p.parse_args()
     defines = dict(d.split("=", 1) for d in args.define)
-    sources = "".join(build.include_closure(SOURCE).values())
-    unread = [name for name in defines if f"#ifndef {name}\n" not in sources]
-    if unread:  # a misspelt define would time the default build under another name
-        p.error(f"--define {unread}: not a define of {SOURCE} or the headers it includes")
+    if unread := build.unread_defines(SOURCE, defines):
+        p.error(f"--define {unread}: not read by {SOURCE} or the headers it includes")
     dev = cupy.cuda.runtime.getDeviceProperties(0)
     sms = dev["multiProcessorCount"]
     data = "random e4m3 operands" if args.random_data else "operands near 1"
@@ -119,7 +107,7 @@ def main():
     for level in args.levels:
         tiled = level in (7, 8)  # the levels with a barrier every tile
         for tile in args.tile_k_blocks if tiled else [16]:
-            r = run_level(level, args.k_blocks, sms, tile, args.random_data, args.repeat, defines, args.sass_dir)
+            r = run_level(level, args.k_blocks, sms, tile, args.random_data, args.repeat, defines)
             r2ur, lines = r["sass"] or ("-", "-")
             what = LEVELS[level] + (f" ({tile})" if tiled else "")
             settled = f"{r['ns']:>11.1f}{r['mhz']:>6.0f}" if args.repeat else ""

@@ -38,9 +38,7 @@ def main():
     else:
         source, defines = args.build, {}
     extra = dict(d.split("=", 1) for d in args.define)
-    closure = "".join(build.include_closure(source).values())
-    unread = [name for name in extra if f"#ifndef {name}\n" not in closure and f"defined({name})" not in closure]
-    if unread:  # a misspelt define would list the default build under another name
+    if unread := build.unread_defines(source, extra):
         p.error(f"--define {unread}: not read by {source} or the headers it includes")
     art = build.compile_source(source, {**defines, **extra})
     if not (args.nvdisasm or machine_code.find_nvdisasm()):

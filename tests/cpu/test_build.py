@@ -351,3 +351,11 @@ def test_fp8_probe_job_names_only_real_knobs():
     for knobs, _ in list(job.PROBES.values()) + [(k, None) for k in FP8_PROBE_KNOBS]:
         for name in knobs:
             assert f"#ifndef {name}\n" in source, name
+
+
+def test_unread_defines_names_those_no_included_file_tests(tmp_path, monkeypatch):
+    (tmp_path / "inc.cuh").write_text("#pragma once\n#ifndef DEEP_KNOB\n#define DEEP_KNOB 0\n#endif\n")
+    (tmp_path / "k.cu").write_text('#include "inc.cuh"\n#if defined(TOP_FLAG)\n#endif\n')
+    monkeypatch.setattr(build, "CUDA_ROOT", tmp_path)
+    assert build.unread_defines("k.cu", ["DEEP_KNOB", "TOP_FLAG", "DEEP_KNOBS", "NOT_THERE"]) == ["DEEP_KNOBS",
+                                                                                                  "NOT_THERE"]
