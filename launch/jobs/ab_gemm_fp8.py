@@ -34,6 +34,7 @@ from time_gemm_fp8 import DenseFp8  # launch/jobs/time_gemm_fp8.py
 from time_gemm_sustained import block_order, fp8_builds, gemm1_runs, gemm2_runs, holding, operands, wrong
 
 SHIPPED = "FP8, shipped"  # time_gemm_sustained's name for the shipped build's row
+FP8_GEMM_SOURCE = "gemm/grouped_gemm_fp8.cu"
 
 
 def parse_build(spec: str) -> tuple[str, dict[str, int]]:
@@ -50,12 +51,13 @@ def parse_build(spec: str) -> tuple[str, dict[str, int]]:
     return name, out
 
 
-def check_defines(defines: dict[str, int], source: str) -> None:
-    """Every define is one the FP8 GEMM reads: a misspelt one would time the shipped build
-    under another name."""
-    for key in defines:
-        if f"#ifndef {key}\n" not in source:
-            raise ValueError(f"{key} is not a define of cuda/gemm/grouped_gemm_fp8.cu or a header it includes")
+def check_defines(defines: dict[str, int]) -> None:
+    """Every define is one the FP8 GEMM or a header it includes reads: a misspelt one would time
+    the shipped build under another name."""
+    from epserve.runtime import build
+
+    if unread := build.unread_defines(FP8_GEMM_SOURCE, defines):
+        raise ValueError(f"{' '.join(unread)} is not a define of cuda/{FP8_GEMM_SOURCE} or a header it includes")
 
 
 def gated_runs(rs, offsets_host, weights, H, I, knobs):
@@ -145,13 +147,11 @@ def main():
 
     from epserve.bench.clock import SmClock
     from epserve.ffn import gemm_fp8
-    from epserve.runtime import build
 
-    source = "".join(build.include_closure("gemm/grouped_gemm_fp8.cu").values())  # the kernel and its headers
     knobs = list(args.knobs)
     for spec in args.build:
         name, defines = parse_build(spec)
-        check_defines(defines, source)
+        check_defines(defines)
         gemm_fp8.KNOBS[name] = defines  # on top of each problem's shipped build (GEMM 1's has no take-ahead)
         knobs.append(name)
     unknown = [k for k in knobs if k not in gemm_fp8.KNOBS]

@@ -10,8 +10,8 @@ m64n128k32 wgmmas of 64 cycles each), the tensor utilisation that implies, and t
 facts that explain it: R2UR instructions (a descriptor moved into uniform registers before a
 wgmma) and the instruction count of the kernel (where there is an nvdisasm), and a digest of
 the build's machine code: two builds (levels, --define) with one digest run the same
-instructions; launch/jobs/sass_listing.py lists a level's SASS. notes/gemm.md (twelfth and thirteenth sessions) has what it measured on an
-H200."""
+instructions; launch/jobs/sass_listing.py lists a level's SASS. notes/gemm.md (twelfth and
+thirteenth sessions) has what it measured on an H200."""
 
 from __future__ import annotations
 
