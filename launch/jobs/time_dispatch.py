@@ -1,7 +1,7 @@
 """The direct dispatch alone, kernel by kernel, under the launcher (issue 13):
 
     python launch/run.py -n 2 -- python -m mpi4py launch/jobs/time_dispatch.py [--preset dsv3-prefill]
-        [--tokens 4096] [--iters 20] [--grids 132:264,64:264] [--own-grids 132:264,264:132]
+        [--tokens 4096] [--hidden H] [--iters 20] [--grids 132:264,64:264] [--own-grids 132:264,264:132]
 
 At the preset's shape with the bench's balanced routing (seed 17 + T) and the bench's x, it
 times, the slowest rank reported:
@@ -23,12 +23,17 @@ rank's own rows are expanded, when the expansion ends. After every configuration
 expert_offsets and src_info must equal the host plan's (epserve/dispatch/host_plan.py, moved by the
 baseline dispatcher) bit for bit, and so must the NCCL dispatch's (#wrong, summed over
 ranks). With an -fp8 preset the service has FP8 experts: the move is the quantizing build and the
-references move x quantized by the service's own quantize launch. Prints a table on rank 0; exits 1
-when anything differs."""
+references move x quantized by the service's own quantize launch. That launch is also timed
+alone (what a stack that hands the dispatch quantized tokens, as DeepEP's FP8 dispatch takes
+them, runs before it), and so is the dispatch of its packed rows ("tokens packed already": the
+direct dispatcher's quantize_in_send off, its plain move). --hidden sets the token rows' width:
+a bf16 preset at H = packed_row_bytes(H') / 2 (3712 for dsv3's 7168) moves rows of an FP8 packed
+row's bytes through the bf16 service. Prints a table on rank 0; exits 1 when anything differs."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import cupy
@@ -179,6 +184,7 @@ def main():
     p = argparse.ArgumentParser(prog="launch/jobs/time_dispatch.py")
     p.add_argument("--preset", default="dsv3-prefill", choices=sorted(presets.PRESETS))
     p.add_argument("--tokens", type=int, help="tokens per rank (default: the preset's)")
+    p.add_argument("--hidden", type=int, help="the token rows' width (default: the preset's; see above)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--seed", type=int, default=17, help="the bench's seed (routing seed + T, x seed + 1000 rank)")
     p.add_argument("--grids", default="", help="move grids to try, send:expand blocks, comma-separated")
@@ -187,6 +193,8 @@ def main():
     comm = ep_comm.world()
     rank, world = comm.Get_rank(), comm.Get_size()
     pre, cfg, topk_all = presets.balanced_point(args.preset, args.tokens, world, args.seed)
+    if args.hidden:
+        pre, cfg = dataclasses.replace(pre, hidden=args.hidden), dataclasses.replace(cfg, hidden=args.hidden)
     T, H, E, k = pre.tokens_per_rank, pre.hidden, pre.num_experts, pre.top_k
     bad = 0
     with EPService(cfg, comm) as svc:
@@ -217,6 +225,10 @@ def main():
         comm.Barrier()
         call = comm.allreduce(float(np.median(samples_ms(lambda: svc.dispatch(x, idx, w, "direct"), 3, args.iters))),
                               op=MPI.MAX)
+        quantize = None
+        if svc.fp8:  # the quantize launch alone: x to packed rows, as the NCCL path runs it
+            quantize = comm.allreduce(
+                float(np.median(samples_ms(lambda: svc._rows_to_dispatch(x, "nccl"), 3, args.iters))), op=MPI.MAX)
         default = (getattr(d, "send_blocks_max", None), getattr(d, "expand_blocks", None))
 
         def parse(specs):
@@ -261,6 +273,12 @@ def main():
         if hasattr(d, "fuse_release"):
             d.fuse_release = True
             check("default again")
+        if getattr(d, "quantizes", False):  # tokens that come quantized: the plain move of their packed rows
+            d.quantize_in_send = False
+            wrong = check("tokens packed already")
+            ms = kernel_ms(comm, d, svc._rows_to_dispatch(x, "direct"), idx, args.iters)
+            rows.append(("tokens packed already", ms, wrong))
+            d.quantize_in_send = True
         phases = move_phases(comm, d, x, idx, T, args.iters) if hasattr(d, "send_blocks_max") else None
         # A routing the bench never draws: some tokens name an expert twice (route_rank's
         # token-by-token path), some slots unused.
@@ -293,6 +311,8 @@ def main():
                   f"rows received by rank 0: {M}; token rows (all destinations) by rank: {sent_all}; "
                   f"{args.iters} iterations, median, slowest rank; NCCL dispatch #wrong {nccl_wrong}")
             print(f"call (EPService.dispatch, as the bench's dispatch-direct): {call * 1e3:.1f} us")
+            if quantize is not None:
+                print(f"quantize alone (x to packed FP8 rows, one launch): {quantize * 1e3:.1f} us")
             names = [n for n, _ in present_kernels(d)] + ["total"]
             print(f"{'move grid':<26}" + "".join(f"{n:>14}" for n in names) + f"{'#wrong':>8}")
             for label, ms, wr in rows:

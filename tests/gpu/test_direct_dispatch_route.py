@@ -3,8 +3,10 @@
 them), at token counts that give the count kernel one CTA and several, the last one partial
 (each count CTA scans its own chunks, cuda/comm/dispatch_route.cuh, count_chunks): every row,
 expert offset and src_info equal, bf16 rows and the FP8 move that quantizes (its own rows
-stored by the warps, the default, and staged for the bulk copy engine)."""
+stored by the warps, the default, and staged for the bulk copy engine), and the FP8 dispatch
+of tokens packed already (the plain move of packed rows)."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,3 +34,4 @@ def test_direct_dispatch_route_equals_the_host_plan(preset, tokens):
     assert "NCCL dispatch #wrong 0" in out and "where they exist): #wrong 0" in out, out[-6000:]
     if preset.endswith("-fp8"):  # the quantizing move's own rows, staged for the bulk copies and by the warps
         assert "own rows staged " in out and "own rows by the warps" in out, out[-6000:]
+        assert "quantize alone" in out and re.search(r"^tokens packed already .* 0$", out, re.M), out[-6000:]
