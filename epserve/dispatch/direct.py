@@ -170,6 +170,12 @@ class DirectDispatcher:
         """Whether enqueue takes bf16 tokens [T, quantize_cols] and the move quantizes them."""
         return self.quantize_in_send and bool(self.quantize_cols)
 
+    def quantizes_call(self, x) -> bool:
+        """Whether the move quantizes this call's x: with `quantizes`, unless x holds rows
+        packed already ([T, H]: the tokens came quantized, and the plain move carries them).
+        The widths never meet: a packed row is about half a bf16 token's bytes."""
+        return self.quantizes and not (x is not None and x.shape[0] and x.shape[1] == self.H)
+
     def _launch_shape(self, T: int, rejected: bool) -> tuple:
         """What the launches of a call with T tokens take besides the pointers, made once per T."""
         key = (T, rejected)
@@ -205,20 +211,22 @@ class DirectDispatcher:
         count row tells every rank to stop the call. arm_combine: (u64 of the combine's
         expected counters, i32 of its units per slot) for the layout to arm this call's
         combine (then the combine must not arm it again: Combiner.fused(armed=True)). When
-        `quantizes`, x is the bf16 tokens [T, quantize_cols], else the rows as they move [T, H]."""
+        `quantizes`, x is the bf16 tokens [T, quantize_cols] or the rows packed already [T, H]
+        (the plain move: see quantizes_call), else the rows as they move [T, H]."""
         cfg = self._cfg
         T = 0 if rejected else x.shape[0]
         t, code, move_grid, send_blocks = self._launch_shape(T, rejected)
-        if T and x.shape[1] != (self.quantize_cols if self.quantizes else self.H):
+        quantize = self.quantizes_call(None if rejected else x)
+        if T and x.shape[1] != (self.quantize_cols if quantize else self.H):
             raise ValueError(f"x has rows of {x.shape[1]} elements, this dispatch takes "
-                             f"{'bf16 tokens of ' + str(self.quantize_cols) if self.quantizes else self.H}")
+                             f"{'bf16 tokens of ' + str(self.quantize_cols) if quantize else self.H}")
         if T == 0:
             x = topk_idx = _NULL  # a null pointer (an empty array's may be anything)
         route = self.route
         move_args = (x, t, topk_idx, route.tok_pos, route.slot_rank, cfg, self._base, self.rows, self.src_info,
                      self.expert_offsets, send_blocks, self._chunk_ptrs, self._expected_chunk, self._max_chunks_arg,
                      self._done if self.fuse_release else _NULL, i32(1 if self.own_in_send else 0))
-        if self.quantizes:  # the quantizing build takes x's width last
+        if quantize:  # the quantizing build takes x's width last
             move, move_args = self._move_quantize, move_args + (self._x_cols,)
         else:
             move = self._move
@@ -227,7 +235,7 @@ class DirectDispatcher:
             route.rank_layout_spec(topk_idx, T, t, cfg, self.expert_offsets, self._base,
                                    *(arm_combine or (_NULL, i32(0)))),
             (move, move_grid, (MOVE_THREADS,), move_args,
-             self._staging_bytes if self.quantizes and self.stage_own_rows else 0),
+             self._staging_bytes if quantize and self.stage_own_rows else 0),
         ]
         if not self.fuse_release:
             specs.append((self._release, (1,), (RELEASE_THREADS,), (cfg, self._expected_chunk, self._max_chunks_arg),
@@ -278,7 +286,7 @@ class DirectDispatcher:
         """enqueue for a one-node call with good input, its launches recorded once per key
         (everything that shapes them: the token count, the stream, the grids and builds
         launch/jobs/time_dispatch.py may change) and replayed with x and topk_idx rewritten."""
-        key = (x.shape[0], stream, self.quantizes, self.own_in_send, self.stage_own_rows, self.fuse_release,
+        key = (x.shape[0], stream, self.quantizes_call(x), self.own_in_send, self.stage_own_rows, self.fuse_release,
                self.send_blocks_max, self.expand_blocks, self._move, self._move_quantize)
         replay = self._replays.get(key)
         inputs = {"x": x, "topk_idx": topk_idx}

@@ -51,7 +51,8 @@ from epserve.dispatch.host_plan import check_recv_capacity, count_recv_rows, pla
 from epserve.dispatch.nccl import NcclDispatcher
 from epserve.dispatch.result import Dispatched
 from epserve.errors import ConfigError, EPServeError, PeerTimeoutError
-from epserve.ffn import fp8_stage, gemm, tiles
+from epserve.ffn import fp8, fp8_stage, gemm, tiles
+from epserve.ffn.fp8 import packed_row_bytes
 from epserve.ffn.fp8_stage import FP8Buffers
 from epserve.runtime.kernel_structs import i32, u64
 from epserve.runtime.launch import LaunchSequence, Recording
@@ -214,7 +215,10 @@ class EPService:
     # ---- validation ---------------------------------------------------------------------
     def _tokens(self, x, topk_idx, topk_weights):
         c = self.config
-        x = checked_array(x, "x", "bf16", (None, c.hidden))
+        if self.fp8 and getattr(x, "dtype", None) == np.uint8:  # tokens packed already (quantize_tokens)
+            x = checked_array(x, "x (packed FP8 rows)", "uint8", (None, packed_row_bytes(c.hidden)))
+        else:
+            x = checked_array(x, "x", "bf16", (None, c.hidden))
         T = x.shape[0]
         if T > c.max_tokens_per_rank:
             raise ConfigError(f"x has {T} tokens, more than max_tokens_per_rank = {c.max_tokens_per_rank}")
@@ -248,10 +252,29 @@ class EPService:
         w2 = checked_array(w2, "w2", "bf16", (c.experts_per_rank, c.hidden, c.intermediate))
         return w13, w2
 
+    def quantize_tokens(self, x) -> cupy.ndarray:
+        """FP8 experts: tokens x [T, H] bf16 as packed FP8 rows, uint8 [T, packed_row_bytes(H)]
+        (epserve.ffn.fp8: bytes [0, H) the e4m3 values, then H / 128 fp32 scales, then zeros),
+        quantized 1 x 128 with the layer's own bits, in one launch on the current stream.
+        forward and dispatch take such rows in place of x and move them as they are (no
+        quantization in the send): for a stack whose tokens come quantized, as DeepEP's FP8
+        dispatch takes them. Local, no other rank takes part; ConfigError without FP8 experts."""
+        if not self.fp8:
+            raise ConfigError("quantize_tokens needs FP8 experts (MoEConfig expert_dtype 'fp8')")
+        x = checked_array(x, "x", "bf16", (None, self.config.hidden))
+        packed = cupy.empty((x.shape[0], packed_row_bytes(self.config.hidden)), np.uint8)
+        if x.shape[0]:
+            kernel, grid, block, args, shared_mem = fp8.quantize_rows_packed_spec(x, packed, x.shape[0])
+            kernel(grid, block, args, shared_mem=shared_mem)
+        return packed
+
     def _rows_to_dispatch(self, x, transport: str = "direct"):
         """What the dispatcher of `transport` takes for tokens x (checked): x itself, or with
         FP8 experts x quantized into packed rows (one launch, into a buffer made once), except
-        for the direct dispatch, whose move kernel quantizes x itself (direct.quantizes)."""
+        for the direct dispatch, whose move kernel quantizes x itself (direct.quantizes); rows
+        packed already (uint8, from quantize_tokens) move as they are on every path."""
+        if self.fp8 and x.dtype == np.uint8:
+            return x.view(BF16)
         if not self.fp8 or transport == "direct" and self.direct.quantizes:
             return x
         self._quantize.run(x.shape[0], [fp8_stage.quantize_tokens_spec(self._fp8, x)])
@@ -441,7 +464,10 @@ class EPService:
         move as packed rows (about half the bytes of bf16); GEMM 1 and GEMM 2 run on FP8
         with block scales (SwiGLU and act's quantization fused into GEMM 1), GEMM 2 hands bf16
         rows to the combine, which is unchanged: fused == unfused bit for bit as in bf16
-        (docs/design.md, "FP8 experts").
+        (docs/design.md, "FP8 experts"). Tokens that come quantized can be passed as packed
+        FP8 rows instead of x, uint8 [T, packed_row_bytes(H)] (``svc.quantize_tokens(x)`` makes
+        them with the layer's bits, and gives the same output bit for bit): they move as they
+        are, and the send quantizes nothing (dispatch takes them too; capture takes bf16 x).
 
         Returns out [T, H] bf16, out[t] = sum over j with topk_idx[t, j] >= 0 of
         topk_weights[t, j] * expert(topk_idx[t, j])(x[t]), where expert(e)(v) =
@@ -580,7 +606,7 @@ class EPService:
             out = cupy.empty((x.shape[0], self.config.hidden), BF16)
         inputs = {"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights, "out": out}
         stream = cupy.cuda.get_current_stream().ptr
-        key = (x.shape[0], stream, _addresses(w13), _addresses(w2), self.direct.quantizes)
+        key = (x.shape[0], stream, _addresses(w13), _addresses(w2), self.direct.quantizes, x.dtype)
         replay = self._replays.get(key)
         if replay is None:
             with Recording() as recording:

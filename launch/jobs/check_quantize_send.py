@@ -12,7 +12,10 @@ their own launch, then moved: direct.quantize_in_send = False), those of the NCC
 (or, where ranks share a GPU, the host-planned IPC baseline), which quantize in a launch of
 their own, and the NumPy model of the quantizer (epserve/check/fp8_reference.py) applied to
 the token each row names. forward (direct dispatch, peer sink) gives the same bits both
-ways, replayed or built anew, and one launch fewer when fused. Prints `RESULT {json}`
+ways, replayed or built anew, and one launch fewer when fused. Tokens packed already
+(svc.quantize_tokens) give the same rows on both transports and the same forward bits, fused,
+replayed, unfused, and with one rank's tokens packed and the other's not; packed rows of a
+wrong width raise ConfigError on every rank, and the service goes on. Prints `RESULT {json}`
 lines; exits non-zero if any check failed on any rank.
 """
 
@@ -30,6 +33,7 @@ from epserve import EPService, MoEConfig, quantize_weights
 from epserve.check import fp8_reference as f8
 from epserve.check.testing import bf16_bits, layer_inputs
 from epserve.comm import mpi as ep_comm
+from epserve.errors import ConfigError
 from epserve.ffn.fp8 import packed_row_bytes
 from epserve.runtime.launch import Recording
 
@@ -124,9 +128,39 @@ def run_shape(comm, name, H, I, E, k, calls, opts, seed):
                     failures.append(f"call {n}: {label} != forward with the unfused dispatch bitwise "
                                     f"({int((got != out_unfused).sum())} elements)")
             info["launches_fused"], info["launches_unfused"] = launches_fused, launches_unfused
+
+            # Tokens that come quantized (svc.quantize_tokens): the same rows and output bits on
+            # every path, also with one rank's tokens packed and the other's not.
+            packed = svc.quantize_tokens(x)
+            for transport in ("direct", "nccl"):
+                got = dispatched(svc, packed, idx, w, transport)
+                for field, a, b in zip(("rows", "expert_offsets", "src_info"), got, unfused):
+                    if a.shape != b.shape or not np.array_equal(a, b):
+                        failures.append(f"call {n}: {transport} dispatch of packed tokens: {field} != the unfused "
+                                        f"direct dispatch's")
+            mixed = packed if rank == 0 else x
+            for label, got in (
+                    ("forward of packed tokens", bf16_bits(svc.forward(packed, idx, w, fp8w))),
+                    ("forward of packed tokens, replayed", bf16_bits(svc.forward(packed, idx, w, fp8w))),
+                    ("forward of packed tokens, unfused", bf16_bits(svc.forward(packed, idx, w, fp8w, sink="null",
+                                                                                dispatch="nccl"))),
+                    ("forward, rank 0's tokens packed, rank 1's not", bf16_bits(svc.forward(mixed, idx, w, fp8w)))):
+                if not np.array_equal(got, out_unfused):
+                    failures.append(f"call {n}: {label} != forward with the unfused dispatch bitwise "
+                                    f"({int((got != out_unfused).sum())} elements)")
             svc.check()
             info["calls"] += 1
         info["replayed_calls"] = svc.replayed_calls
+        # Packed rows of the wrong width: a clear error on every rank before anything moves,
+        # and the service goes on (the last call again, bitwise).
+        try:
+            svc.forward(cupy.zeros((4, packed_row_bytes(H) - 16), np.uint8), idx[:4], w[:4], fp8w)
+            failures.append("packed rows of the wrong width were taken")
+        except ConfigError as exc:
+            if "packed FP8 rows" not in str(exc):
+                failures.append(f"the wrong width's error does not name packed rows: {exc}")
+        if not np.array_equal(bf16_bits(svc.forward(packed, idx, w, fp8w)), out_unfused):
+            failures.append("forward of packed tokens after a refused call != before")
     return dict(case=name, rank=rank, ok=not failures, failures=failures[:10], **info)
 
 

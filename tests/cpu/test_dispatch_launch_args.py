@@ -161,8 +161,9 @@ def test_direct_launches_match_their_kernels(ptx, fakes, fuse_release, rejected,
 @pytest.mark.parametrize("hidden", [H, 384], ids=["H7168", "H384"])
 def test_quantizing_direct_launches_match_their_kernels(ptx, quantize_ptx, fakes, own_in_send, rejected, hidden):
     """FP8 experts: the move of the dispatch_quantize build takes x's bf16 width last, and the
-    launch hands it; the route launches are the plain build's (the same in both builds). With
-    quantize_in_send off, the plain move takes packed rows, with the same arguments as bf16."""
+    launch hands it; the route launches are the plain build's (the same in both builds). Packed
+    rows (quantize_in_send off, or tokens that came quantized) go to the plain move, with the
+    same arguments as bf16."""
     d = direct_dispatcher(True, own_in_send, quantize_cols=hidden)
     arm = (by_value(0x1000, np.uint64), by_value(hidden // 64))
     if rejected:
@@ -179,13 +180,17 @@ def test_quantizing_direct_launches_match_their_kernels(ptx, quantize_ptx, fakes
     assert move[3][-1] is d._x_cols and int(move[3][-1][0]) == hidden
     assert move[4] == 0  # the own rows stored by the warps (stage_own_rows off): no staging rows
     assert len(param_sizes(quantize_ptx, "epserve_dispatch_move")) == len(param_sizes(ptx, "epserve_dispatch_move")) + 1
-    with pytest.raises(ValueError, match="rows of"):  # packed rows where bf16 tokens are due
-        d.enqueue(Device((T, d.H)), Device((T, K)))
-    d.quantize_in_send = False
-    d.launches.specs = []
-    d.enqueue(Device((T, d.H)), Device((T, K)), arm_combine=arm)
-    assert d.launches.specs[2][0] is d._move and d.launches.specs[2][4] == 0
-    check(ptx, d.launches.specs)
+    with pytest.raises(ValueError, match="rows of"):  # neither bf16 tokens nor packed rows
+        d.enqueue(Device((T, hidden + 128)), Device((T, K)))
+    for quantize_in_send in (True, False):  # packed rows (tokens that came quantized): the plain move
+        d.quantize_in_send = quantize_in_send
+        d.launches.specs = []
+        d.enqueue(Device((T, d.H)), Device((T, K)), arm_combine=arm)
+        assert d.launches.specs[2][0] is d._move and d.launches.specs[2][4] == 0
+        check(ptx, d.launches.specs)
+        assert not d.quantizes_call(Device((T, d.H)))
+    d.quantize_in_send = True
+    assert d.quantizes_call(Device((T, hidden))) and d.quantizes_call(Device((0, d.H))) and d.quantizes_call(None)
     d.quantize_in_send, d.stage_own_rows = True, True  # the own rows staged: a packed row a warp
     d.launches.specs = []
     d.enqueue(Device((T, hidden)), Device((T, K)), arm_combine=arm)
