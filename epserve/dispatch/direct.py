@@ -171,10 +171,11 @@ class DirectDispatcher:
         return self.quantize_in_send and bool(self.quantize_cols)
 
     def quantizes_call(self, x) -> bool:
-        """Whether the move quantizes this call's x: with `quantizes`, unless x holds rows
-        packed already ([T, H]: the tokens came quantized, and the plain move carries them).
-        The widths never meet: a packed row is about half a bf16 token's bytes."""
-        return self.quantizes and not (x is not None and x.shape[0] and x.shape[1] == self.H)
+        """Whether the move quantizes this call's x: with `quantizes`, unless x is uint8, rows
+        packed already ([T, 2H] bytes: the tokens came quantized, and the plain move carries
+        them). Told by the dtype, not the width: at H = 128 a packed row (256 bytes on whole
+        lines) is as wide as a bf16 token."""
+        return self.quantizes and getattr(x, "dtype", None) != np.uint8
 
     def _launch_shape(self, T: int, rejected: bool) -> tuple:
         """What the launches of a call with T tokens take besides the pointers, made once per T."""
@@ -211,15 +212,16 @@ class DirectDispatcher:
         count row tells every rank to stop the call. arm_combine: (u64 of the combine's
         expected counters, i32 of its units per slot) for the layout to arm this call's
         combine (then the combine must not arm it again: Combiner.fused(armed=True)). When
-        `quantizes`, x is the bf16 tokens [T, quantize_cols] or the rows packed already [T, H]
-        (the plain move: see quantizes_call), else the rows as they move [T, H]."""
+        `quantizes`, x is the bf16 tokens [T, quantize_cols] or the rows packed already (uint8
+        [T, 2H]: the plain move, see quantizes_call), else the rows as they move [T, H]."""
         cfg = self._cfg
         T = 0 if rejected else x.shape[0]
         t, code, move_grid, send_blocks = self._launch_shape(T, rejected)
         quantize = self.quantizes_call(None if rejected else x)
-        if T and x.shape[1] != (self.quantize_cols if quantize else self.H):
-            raise ValueError(f"x has rows of {x.shape[1]} elements, this dispatch takes "
-                             f"{'bf16 tokens of ' + str(self.quantize_cols) if quantize else self.H}")
+        width = self.quantize_cols if quantize else 2 * self.H if getattr(x, "dtype", None) == np.uint8 else self.H
+        if T and x.shape[1] != width:
+            raise ValueError(f"x has rows of {x.shape[1]} elements, this dispatch takes {width}"
+                             f"{' (bf16 tokens)' if quantize else ''}")
         if T == 0:
             x = topk_idx = _NULL  # a null pointer (an empty array's may be anything)
         route = self.route

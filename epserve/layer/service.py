@@ -273,8 +273,8 @@ class EPService:
         FP8 experts x quantized into packed rows (one launch, into a buffer made once), except
         for the direct dispatch, whose move kernel quantizes x itself (direct.quantizes); rows
         packed already (uint8, from quantize_tokens) move as they are on every path."""
-        if self.fp8 and x.dtype == np.uint8:
-            return x.view(BF16)
+        if self.fp8 and x.dtype == np.uint8:  # the direct dispatcher tells packed rows by their dtype
+            return x if transport == "direct" else x.view(BF16)
         if not self.fp8 or transport == "direct" and self.direct.quantizes:
             return x
         self._quantize.run(x.shape[0], [fp8_stage.quantize_tokens_spec(self._fp8, x)])

@@ -63,8 +63,8 @@ def param_sizes(ptx: str, kernel: str) -> list[int]:
 class Device:
     """A device pointer argument (as a CuPy array passes): 8 bytes."""
 
-    def __init__(self, shape=(1,)):
-        self.shape = shape
+    def __init__(self, shape=(1,), dtype=None):
+        self.shape, self.dtype = shape, dtype
         self.data = types.SimpleNamespace(ptr=0x1000)
 
     def __getitem__(self, s):
@@ -180,17 +180,21 @@ def test_quantizing_direct_launches_match_their_kernels(ptx, quantize_ptx, fakes
     assert move[3][-1] is d._x_cols and int(move[3][-1][0]) == hidden
     assert move[4] == 0  # the own rows stored by the warps (stage_own_rows off): no staging rows
     assert len(param_sizes(quantize_ptx, "epserve_dispatch_move")) == len(param_sizes(ptx, "epserve_dispatch_move")) + 1
-    with pytest.raises(ValueError, match="rows of"):  # neither bf16 tokens nor packed rows
-        d.enqueue(Device((T, hidden + 128)), Device((T, K)))
-    for quantize_in_send in (True, False):  # packed rows (tokens that came quantized): the plain move
+    with pytest.raises(ValueError, match="rows of"):  # packed rows' width, but bf16: tokens are due
+        d.enqueue(Device((T, d.H)), Device((T, K)))
+    with pytest.raises(ValueError, match="rows of"):  # uint8 of a bf16 token's width: packed rows are due
+        d.enqueue(Device((T, hidden), np.uint8), Device((T, K)))
+    # Rows packed already (tokens that came quantized: uint8 [T, 2H]) go to the plain move, as
+    # the packed rows of quantize_in_send off do (bf16-typed [T, H]).
+    for quantize_in_send, rows in ((True, Device((T, 2 * d.H), np.uint8)), (False, Device((T, d.H)))):
         d.quantize_in_send = quantize_in_send
         d.launches.specs = []
-        d.enqueue(Device((T, d.H)), Device((T, K)), arm_combine=arm)
+        d.enqueue(rows, Device((T, K)), arm_combine=arm)
         assert d.launches.specs[2][0] is d._move and d.launches.specs[2][4] == 0
         check(ptx, d.launches.specs)
-        assert not d.quantizes_call(Device((T, d.H)))
     d.quantize_in_send = True
-    assert d.quantizes_call(Device((T, hidden))) and d.quantizes_call(Device((0, d.H))) and d.quantizes_call(None)
+    assert not d.quantizes_call(Device((T, 2 * d.H), np.uint8))
+    assert d.quantizes_call(Device((T, hidden))) and d.quantizes_call(None)
     d.quantize_in_send, d.stage_own_rows = True, True  # the own rows staged: a packed row a warp
     d.launches.specs = []
     d.enqueue(Device((T, hidden)), Device((T, K)), arm_combine=arm)
