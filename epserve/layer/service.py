@@ -217,8 +217,14 @@ class EPService:
         c = self.config
         if self.fp8 and getattr(x, "dtype", None) == np.uint8:  # tokens packed already (quantize_tokens)
             x = checked_array(x, "x (packed FP8 rows)", "uint8", (None, packed_row_bytes(c.hidden)))
-        else:
+        elif not self.fp8:
             x = checked_array(x, "x", "bf16", (None, c.hidden))
+        else:
+            try:
+                x = checked_array(x, "x", "bf16", (None, c.hidden))
+            except ConfigError as exc:  # name the other input FP8 experts take
+                raise ConfigError(f"{exc} (with FP8 experts x may instead be packed FP8 rows, uint8 "
+                                  f"[T, {packed_row_bytes(c.hidden)}], as quantize_tokens makes them)") from None
         T = x.shape[0]
         if T > c.max_tokens_per_rank:
             raise ConfigError(f"x has {T} tokens, more than max_tokens_per_rank = {c.max_tokens_per_rank}")

@@ -160,6 +160,12 @@ def run_shape(comm, name, H, I, E, k, calls, opts, seed):
         except ConfigError as exc:
             if "packed FP8 rows" not in str(exc):
                 failures.append(f"the wrong width's error does not name packed rows: {exc}")
+        try:  # tokens of neither dtype: the error names both inputs FP8 experts take
+            svc.forward(cupy.zeros((4, H), np.float32), idx[:4], w[:4], fp8w)
+            failures.append("float32 tokens were taken")
+        except ConfigError as exc:
+            if "must be bf16" not in str(exc) or "packed FP8 rows" not in str(exc):
+                failures.append(f"the float32 tokens' error does not name bf16 and packed rows: {exc}")
         if not np.array_equal(bf16_bits(svc.forward(packed, idx, w, fp8w)), out_unfused):
             failures.append("forward of packed tokens after a refused call != before")
     return dict(case=name, rank=rank, ok=not failures, failures=failures[:10], **info)

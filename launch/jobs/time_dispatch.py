@@ -25,8 +25,8 @@ baseline dispatcher) bit for bit, and so must the NCCL dispatch's (#wrong, summe
 ranks). With an -fp8 preset the service has FP8 experts: the move is the quantizing build and the
 references move x quantized by the service's own quantize launch. That launch is also timed
 alone (what a stack that hands the dispatch quantized tokens, as DeepEP's FP8 dispatch takes
-them, runs before it), and so is the dispatch of its packed rows ("tokens packed already": the
-direct dispatcher's quantize_in_send off, its plain move). --hidden sets the token rows' width:
+them, runs before it), and so is the dispatch of its packed rows ("tokens packed already":
+EPService.quantize_tokens's rows handed to dispatch, which moves them by the plain move). --hidden sets the token rows' width:
 a bf16 preset at H = packed_row_bytes(H') / 2 (3712 for dsv3's 7168) moves rows of an FP8 packed
 row's bytes through the bf16 service. Prints a table on rank 0; exits 1 when anything differs."""
 
@@ -53,9 +53,12 @@ KERNELS = (("route_count", "_count"), ("route_publish", "_publish"), ("count+pub
            ("move", "_move_quantize"), ("release", "_release"))
 
 
-def move_attr(d) -> str:
-    """The dispatcher's move kernel attribute this call launches: with FP8 experts the
-    quantizing build's (the move quantizes bf16 tokens into packed rows)."""
+def move_attr(d, x=None) -> str:
+    """The dispatcher's move kernel attribute a call with tokens x launches: with FP8 experts
+    and bf16 tokens the quantizing build's (the move quantizes them into packed rows); packed
+    rows (uint8) take the plain move."""
+    if hasattr(d, "quantizes_call") and x is not None:
+        return "_move_quantize" if d.quantizes_call(x) else "_move"
     return "_move_quantize" if getattr(d, "quantizes", False) else "_move"
 
 
@@ -70,14 +73,14 @@ def _set(obj, path: str, value) -> None:
     setattr(_get(obj, ".".join(owner)) if owner else obj, last, value)
 
 
-def present_kernels(d) -> tuple:
+def present_kernels(d, x=None) -> tuple:
     def has(path):
         try:
             return _get(d, path) is not None
         except AttributeError:
             return False
 
-    moves = {"_move", "_move_quantize"} - {move_attr(d)}  # the move kernel this dispatcher does not launch
+    moves = {"_move", "_move_quantize"} - {move_attr(d, x)}  # the move kernel this dispatcher does not launch
     return tuple((name, path) for name, path in KERNELS if path not in moves and has(path))
 
 
@@ -100,7 +103,7 @@ class Stamped:
 def kernel_ms(comm, d, x, idx, iters: int) -> dict:
     """Median per-kernel and total GPU milliseconds of `iters` enqueues, the slowest rank."""
     stamps: list = []
-    kernels = present_kernels(d)
+    kernels = present_kernels(d, x)
     saved = {attr: _get(d, attr) for _, attr in kernels}
     per = {name: [] for name, _ in kernels}
     per["total"] = []
@@ -274,11 +277,13 @@ def main():
             d.fuse_release = True
             check("default again")
         if getattr(d, "quantizes", False):  # tokens that come quantized: the plain move of their packed rows
-            d.quantize_in_send = False
-            wrong = check("tokens packed already")
-            ms = kernel_ms(comm, d, svc._rows_to_dispatch(x, "direct"), idx, args.iters)
+            packed = svc.quantize_tokens(x)  # as a stack whose tokens come quantized hands them over
+            svc.check()
+            cupy.cuda.runtime.deviceSynchronize()
+            wrong = comm.allreduce(wrong_bits(svc.dispatch(packed, idx, w, "direct"), ref))
+            bad += wrong
+            ms = kernel_ms(comm, d, packed, idx, args.iters)
             rows.append(("tokens packed already", ms, wrong))
-            d.quantize_in_send = True
         phases = move_phases(comm, d, x, idx, T, args.iters) if hasattr(d, "send_blocks_max") else None
         # A routing the bench never draws: some tokens name an expert twice (route_rank's
         # token-by-token path), some slots unused.
