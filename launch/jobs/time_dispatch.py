@@ -26,9 +26,9 @@ ranks). With an -fp8 preset the service has FP8 experts: the move is the quantiz
 references move x quantized by the service's own quantize launch. That launch is also timed
 alone (what a stack that hands the dispatch quantized tokens, as DeepEP's FP8 dispatch takes
 them, runs before it), and so is the dispatch of its packed rows ("tokens packed already":
-EPService.quantize_tokens's rows handed to dispatch, which moves them by the plain move). --hidden sets the token rows' width:
-a bf16 preset at H = packed_row_bytes(H') / 2 (3712 for dsv3's 7168) moves rows of an FP8 packed
-row's bytes through the bf16 service. Prints a table on rank 0; exits 1 when anything differs."""
+EPService.quantize_tokens's rows handed to dispatch, which moves them by the plain move).
+--hidden sets the token rows' width: a bf16 preset at H = packed_row_bytes(H') / 2 (3712 for
+dsv3's 7168) moves rows of an FP8 packed row's bytes through the bf16 service. Prints a table on rank 0; exits 1 when anything differs."""
 
 from __future__ import annotations
 
