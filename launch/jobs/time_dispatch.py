@@ -28,7 +28,8 @@ alone (what a stack that hands the dispatch quantized tokens, as DeepEP's FP8 di
 them, runs before it), and so is the dispatch of its packed rows ("tokens packed already":
 EPService.quantize_tokens's rows handed to dispatch, which moves them by the plain move).
 --hidden sets the token rows' width: a bf16 preset at H = packed_row_bytes(H') / 2 (3712 for
-dsv3's 7168) moves rows of an FP8 packed row's bytes through the bf16 service. Prints a table on rank 0; exits 1 when anything differs."""
+dsv3's 7168) moves rows of an FP8 packed row's bytes through the bf16 service. Prints a table
+on rank 0; exits 1 when anything differs."""
 
 from __future__ import annotations
 
