@@ -13,6 +13,7 @@ and library rows (BASELINES):
                     call, its one host wait included
     dispatch-layer  the same dispatch with no host wait (dispatch(wait=False)), calls queued back
                     to back: the GPU's time (bench/dispatch_paths.py)
+    dispatch-packed (the -fp8 presets only) dispatch-layer handed tokens quantized already
     dispatch-nccl   the NCCL dispatch: planned on the device, one row per token and
                     destination in fixed-size blocks, one grouped send/recv (where ranks share
                     a GPU: planned on the host, one row per slot, pulled over IPC)
@@ -62,7 +63,8 @@ _GEMM2 = ("unfused", "library")
 _DISPATCH = ("dispatch-nccl", "alltoall")
 _LAYER = ("layer-unfused", "layer-library")
 BASELINES = {"gemm1": (None, None), "gemm2": _GEMM2, "fused": _GEMM2, "unfused": _GEMM2, "library": _GEMM2,
-             "dispatch-direct": _DISPATCH, "dispatch-layer": _DISPATCH, "dispatch-nccl": _DISPATCH,
+             "dispatch-direct": _DISPATCH, "dispatch-layer": _DISPATCH, "dispatch-packed": _DISPATCH,
+             "dispatch-nccl": _DISPATCH,
              "alltoall": _DISPATCH, "layer-fused": _LAYER, "layer-unfused": _LAYER, "layer-library": _LAYER,
              "layer-torch": _LAYER}
 UNFUSED = {path: pair[0] for path, pair in BASELINES.items()}
@@ -236,7 +238,7 @@ def measure_point(svc, w13, w2, topk_all, seed: int, warmup: int, iters: int) ->
 
 # Paths timed with their calls queued back to back (events.queued_samples_ms): no host wait of
 # their own, so each event pair is the GPU's time.
-QUEUED = ("dispatch-layer",)
+QUEUED = ("dispatch-layer", "dispatch-packed")
 
 
 def time_paths(comm, runs, paths, warmup: int, iters: int) -> tuple[dict, dict, dict]:

@@ -10,6 +10,8 @@ bf16 presets' path names, so the report and the baselines read them alike:
                  public call, its host wait included)
   dispatch-layer the same with no host wait (dispatch(wait=False)), calls queued back to
                  back: the GPU's time (bench/dispatch_paths.py)
+  dispatch-packed dispatch-layer handed the tokens quantized already (EPService.quantize_tokens,
+                 once, untimed), as DeepEP's FP8 dispatch is: its plain move of packed rows
   layer-fused    forward, direct dispatch, peer sink
   layer-unfused  forward, NCCL dispatch, null sink
   layer-library  the layer composed from libraries with cuBLASLt's block-scaled FP8 GEMM per
@@ -20,8 +22,8 @@ Their FLOPs are the bf16 layer's (the same products); the caller rates the GEMMs
 FP8 dense limit measured in the same run (limits.fp8_gemm_rates). The HBM floors keep bf16's
 weight bytes, so for the weight-bound decode they are upper bounds. Checked: fused ==
 unfused and layer-fused == layer-unfused bitwise, GEMM 1 reruns bitwise, both direct
-dispatches (which quantize in their move) into poisoned buffers against the NCCL dispatch
-(quantized in a launch of its own) bitwise. Reported, not
+dispatches (which quantize in their move) and the dispatch of packed tokens into poisoned
+buffers against the NCCL dispatch (quantized in a launch of its own) bitwise. Reported, not
 asserted: the FP8 layer's relative error against the bf16 layer on the same tokens and
 (unquantized) weights, which is what FP8 costs in accuracy."""
 
@@ -45,8 +47,8 @@ from epserve.bench.wrong import bitwise_wrong, tolerance_wrong
 from epserve.dispatch.host import Dispatcher
 from epserve.ffn import fp8_stage, gemm
 
-PATHS = ("gemm1", "gemm2", "fused", "unfused", "dispatch-direct", "dispatch-layer", "layer-fused", "layer-unfused",
-         "layer-library")
+PATHS = ("gemm1", "gemm2", "fused", "unfused", "dispatch-direct", "dispatch-layer", "dispatch-packed", "layer-fused",
+         "layer-unfused", "layer-library")
 
 
 def _bf16_dispatcher(svc) -> Dispatcher:
@@ -76,8 +78,16 @@ def measure_point_fp8(svc, w13, w2, fp8w, topk_all, seed: int, warmup: int, iter
     def dispatch_layer():  # the dispatch with no host wait, as forward runs it
         svc.dispatch(x, idx, w, "direct", wait=False)
 
+    # A stack that quantizes its tokens before the dispatch (as DeepEP's callers do) hands
+    # packed rows, which the direct dispatch moves as they are.
+    packed = svc.quantize_tokens(x)
+
+    def dispatch_packed():
+        svc.dispatch(packed, idx, w, "direct", wait=False)
+
     dispatch_wrong = {"dispatch-direct": reference.wrong(svc.direct, lambda: svc.dispatch(x, idx, w, "direct")),
-                      "dispatch-layer": reference.wrong(svc.direct, dispatch_layer)}
+                      "dispatch-layer": reference.wrong(svc.direct, dispatch_layer),
+                      "dispatch-packed": reference.wrong(svc.direct, dispatch_packed)}
     del reference
     direct = svc.dispatch(x, idx, w, "direct")
     M = direct.num_rows
@@ -107,6 +117,7 @@ def measure_point_fp8(svc, w13, w2, fp8w, topk_all, seed: int, warmup: int, iter
         "unfused": unfused,
         "dispatch-direct": lambda: svc.dispatch(x, idx, w, "direct"),
         "dispatch-layer": dispatch_layer,
+        "dispatch-packed": dispatch_packed,
         "layer-fused": lambda: svc.forward(x, idx, w, fp8w, None, "peer", "direct", out=outs["layer-fused"]),
         "layer-unfused": lambda: svc.forward(x, idx, w, fp8w, None, "null", "nccl", out=outs["layer-unfused"]),
     }
@@ -149,6 +160,7 @@ def measure_point_fp8(svc, w13, w2, fp8w, topk_all, seed: int, warmup: int, iter
         "unfused": arithmetic.gemm2_combine_work(counts, H, I),
         "dispatch-direct": dispatch_work(counts, fp8_stage.dispatch_width(H), dedup=True),  # packed FP8 rows
         "dispatch-layer": dispatch_work(counts, fp8_stage.dispatch_width(H), dedup=True),
+        "dispatch-packed": dispatch_work(counts, fp8_stage.dispatch_width(H), dedup=True),
         "layer-fused": arithmetic.layer_work(counts, H, I, dedup_dispatch=True),
         "layer-unfused": arithmetic.layer_work(counts, H, I, dedup_dispatch=nccl_path is not None),
         "layer-library": arithmetic.layer_work(counts, H, I, dedup_dispatch=False),

@@ -1,8 +1,10 @@
 """epserve.bench.targets on a machine with no GPU: issue 16's targets read off the committed
 two-H200 bench (results/h200x2, seventh session) give that run's known numbers and verdicts;
 a target whose rows are missing is "not measured", a row with #wrong > 0 meets nothing, a run
-on another world size says so, and an unreadable file is a one-line error."""
+on another world size says so, an unreadable file is a one-line error, and the FP8 dispatch of
+packed tokens (DeepEP's terms) is printed beside the targets, never judged as one of them."""
 
+import copy
 import json
 from pathlib import Path
 
@@ -42,6 +44,40 @@ def test_the_seventh_sessions_two_gpu_run(document):
     text = "\n".join(targets.lines(run_from(document)))
     assert "not that machine" not in text
     assert "  decode layer, fused             dsv3-decode-fp8       128       1.472         <= 1.6 ms  met" in text
+
+
+def with_rows(document, preset: str, path: str, new_path: str, scale: float) -> None:
+    """A copy of each of preset's `path` rows as `new_path`, its samples scaled."""
+    for r in [r for r in document["rows"] if r["preset"]["name"] == preset and r["path"] == path]:
+        new = copy.deepcopy(r)
+        new["path"] = new_path
+        if new["timing"] is not None:
+            new["timing"]["samples_ms"] = [s * scale for s in new["timing"]["samples_ms"]]
+        document["rows"].append(new)
+
+
+def test_the_packed_dispatch_is_read_beside_the_targets(document):
+    """The committed run predates the dispatch-layer and dispatch-packed rows: no line. With
+    them, one line gives packed FP8 over the bf16 dispatch in the layer, and the targets'
+    verdicts do not move."""
+    assert not any("beside the targets" in line for line in targets.lines(run_from(document)))
+    before = {name: (v.value, v.met) for name, v in verdicts(run_from(document)).items()}
+    with_rows(document, "dsv3-prefill", "dispatch-direct", "dispatch-layer", 0.5)  # bf16 in the layer
+    with_rows(document, "dsv3-prefill-fp8", "dispatch-direct", "dispatch-packed", 0.25)
+    run = run_from(document)
+    beside = [line for line in targets.lines(run) if "beside the targets" in line]
+    ratio = 0.25 * 251 / (0.5 * 342)
+    assert len(beside) == 1 and beside[0].endswith(
+        f"FP8/bf16 dispatch, tokens packed, dsv3-prefill-fp8 dispatch-packed / dsv3-prefill dispatch-layer at 4096 "
+        f"tokens = {ratio:.3f}"), beside
+    after = verdicts(run)
+    assert after["FP8/bf16 dispatch, in the layer"].value is None  # no FP8 dispatch-layer row: still not measured
+    assert {name: (v.value, v.met) for name, v in after.items() if "in the layer" not in name} == \
+        {name: x for name, x in before.items() if "in the layer" not in name}
+    for r in document["rows"]:
+        if r["path"] == "dispatch-packed":
+            r["wrong"] = 5
+    assert "#wrong 5" in next(line for line in targets.lines(run_from(document)) if "beside the targets" in line)
 
 
 def test_missing_rows_are_not_measured(document):

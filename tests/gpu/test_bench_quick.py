@@ -17,10 +17,11 @@ ROOT = Path(__file__).resolve().parents[2]
 # public call and the layer's) into poisoned buffers against the NCCL or host-planned one.
 CHECKED_PATHS = ("fused", "library", "dispatch-direct", "dispatch-layer", "layer-fused", "layer-library")
 # The -fp8 presets (epserve/bench/measure_fp8.py): fused and layer-fused bitwise against the
-# unfused ones, GEMM 1 against its own rerun, the direct dispatches as above, and, where the
+# unfused ones, GEMM 1 against its own rerun, the direct dispatches as above (with the
+# dispatch of tokens quantized already, dispatch-packed, among them), and, where the
 # ranks have NCCL (a GPU each), the library layer on cuBLASLt's block-scaled FP8 GEMM within
 # bf16 tolerance.
-CHECKED_PATHS_FP8 = ("gemm1", "fused", "dispatch-direct", "dispatch-layer", "layer-fused")
+CHECKED_PATHS_FP8 = ("gemm1", "fused", "dispatch-direct", "dispatch-layer", "dispatch-packed", "layer-fused")
 
 
 def checked_paths(preset: str, share_gpu: bool = True) -> tuple:
@@ -56,7 +57,8 @@ def test_quick_bench_of_every_preset(tmp_path, share_gpu):
     assert all(r["host_waits"] is not None and r["mpi_calls"] is not None
                for r in run["rows"] if r["timing"] is not None)
     epserve_paths = [r for r in run["rows"]
-                     if r["timing"] is not None and r["path"] in ("layer-fused", "dispatch-direct", "dispatch-layer")]
+                     if r["timing"] is not None
+                     and r["path"] in ("layer-fused", "dispatch-direct", "dispatch-layer", "dispatch-packed")]
     assert epserve_paths and all(r["mpi_calls"] == 0 for r in epserve_paths)
     # Every point of a checked path was checked, and found right; None would mean unchecked.
     checked = [r for r in run["rows"]
