@@ -23,7 +23,8 @@
 #                                              # FP8 and bf16 presets with each sink build, the targets,
 #                                              # <= 9.5 min
 #   bash launch/gpu_cycle.sh rank-of-2         # one GPU standing in for a rank of two: the dsv3 presets
-#                                              # with 128 experts (bench --as-rank-of 2), ~1.5 min
+#                                              # with 128 experts (bench --as-rank-of 2), prefill at 4096
+#                                              # tokens and decode at 128, and issue 16's targets off both, ~2 min
 #   bash launch/gpu_cycle.sh gemm-ab           # one GPU: the FP8 GEMMs' knob builds against the shipped one,
 #                                              # timed as bench rows, and where a tile's cycles go, ~2 min
 # bench runs one rank per GPU (on one GPU: one rank, no link); run, fuzz and soak take two
@@ -74,8 +75,11 @@ for s in "$@"; do
         rank-of-2) stage rank-of-2 "^#|^  [a-z]" env PYTHONPATH=. python3 launch/run.py -n 1 --timeout 300 -- \
                        python3 -m mpi4py -m epserve.bench --presets dsv3-prefill-fp8,dsv3-prefill --as-rank-of 2 \
                        --routing balanced --tokens 4096 --out "$out/rank-of-2"
+                   stage rank-of-2-decode "^#|^  [a-z]" env PYTHONPATH=. python3 launch/run.py -n 1 --timeout 200 -- \
+                       python3 -m mpi4py -m epserve.bench --presets dsv3-decode-fp8,dsv3-decode --as-rank-of 2 \
+                       --routing balanced --tokens 128 --iters 20 --warmup 5 --out "$out/rank-of-2-decode"
                    stage rank-of-2-targets "^#|^  " env PYTHONPATH=. python3 -m epserve.bench.targets \
-                       "$out/rank-of-2/bench.json" ;;
+                       "$out/rank-of-2/bench.json" "$out/rank-of-2-decode/bench.json" ;;
         # The FP8 GEMMs' builds at the bench's clock, and per-tile stamps (notes/gemm.md,
         # twenty-third session): GEMM_AB_KNOBS picks the builds beside the shipped one
         # (epserve.ffn.gemm_fp8.KNOBS, space-separated).

@@ -1,7 +1,7 @@
 """Issue 16's targets read off a benchmark's bench.json, one line each with what was measured
 and whether it is met:
 
-    python -m epserve.bench.targets results/h200x2/bench.json
+    python -m epserve.bench.targets results/h200x2/bench.json [more bench.json of the same machine]
 
 The targets are stated for two H200s, one rank each; a run on another world size is still
 read, and the report says so. A run of `python -m epserve.bench --as-rank-of W` (one GPU
@@ -186,12 +186,27 @@ def clock_lines(run: Run, verdicts) -> list[str]:
     return [f"# SM clock during one more call of each row's path and right after its timing: {text}{limit}"]
 
 
+def merged(runs, names) -> Run:
+    """The rows of several runs of one machine as one run (a prefill run and a decode run, for
+    example, each of its own token counts), its info the first's. ValueError where the runs'
+    world sizes or GPUs differ: their rows would not stand for one machine."""
+    first = runs[0]
+    for run, name in zip(runs[1:], names[1:]):
+        if (run.info.get("world_size"), sorted(run.info.get("gpus") or [])) != \
+                (first.info.get("world_size"), sorted(first.info.get("gpus") or [])):
+            raise ValueError(f"{name}: another machine than {names[0]}'s (world size {run.info.get('world_size')}, "
+                             f"GPUs {run.info.get('gpus')}): read runs of one machine together")
+    return Run(first.info, [row for run in runs for row in run.rows])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("bench_json", help="a bench.json written by `python -m epserve.bench --out DIR`")
+    p.add_argument("bench_json", nargs="+",
+                   help="bench.json files written by `python -m epserve.bench --out DIR` on one machine (a run of "
+                        "the prefill presets and one of the decode presets, for example): their rows are read together")
     args = p.parse_args(argv)
     try:
-        run = report.read_json(args.bench_json)
+        run = merged([report.read_json(path) for path in args.bench_json], args.bench_json)
     except (OSError, ValueError) as e:
         print(f"epserve.bench.targets: {e}", file=sys.stderr)
         return 2

@@ -179,3 +179,24 @@ def test_the_preset_itself_before_a_stand_in(document):
     both["rows"] += stand_in["rows"]
     v = verdicts(run_from(both))["prefill layer, fused"]
     assert v.stand_in is None and v.value == pytest.approx(4.045, abs=1e-3)
+
+
+def test_runs_of_one_machine_are_read_together(tmp_path, capsys, document):
+    """A prefill run and a decode run, each written on its own, read as one: the same lines as
+    the committed run that holds both. Runs of other machines are refused, naming the file."""
+    decode = dict(document, rows=[r for r in document["rows"] if r["preset"]["tokens_per_rank"] <= 128])
+    prefill = dict(document, rows=[r for r in document["rows"] if r["preset"]["tokens_per_rank"] > 128])
+    assert decode["rows"] and prefill["rows"]
+    (tmp_path / "prefill.json").write_text(json.dumps(prefill))
+    (tmp_path / "decode.json").write_text(json.dumps(decode))
+    assert targets.main([str(tmp_path / "prefill.json"), str(tmp_path / "decode.json")]) == 0
+    together = capsys.readouterr().out
+    assert targets.main([str(TWO_H200)]) == 0
+    assert together == capsys.readouterr().out
+    assert targets.main([str(tmp_path / "prefill.json")]) == 0
+    alone = capsys.readouterr().out
+    assert any(line.startswith("  decode layer, fused") and line.endswith("not measured") for line in alone.splitlines())
+    other = dict(decode, info=dict(decode["info"], world_size=1, gpus=["NVIDIA H100 80GB HBM3"]))
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert targets.main([str(tmp_path / "prefill.json"), str(tmp_path / "other.json")]) == 2
+    assert "other.json: another machine" in capsys.readouterr().err
