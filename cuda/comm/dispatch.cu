@@ -326,12 +326,15 @@ __device__ void expand_tokens(const bf16_t* __restrict__ x, int x_cols, int T, c
     if (!rows) continue;  // an own token that feeds no expert here
     uint4* dst = m >= 0 ? reinterpret_cast<uint4*>(a + static_cast<long long>(m) * H) : nullptr;
 #if EPSERVE_DISPATCH_QUANTIZE
-    if (src == nullptr) {  // this rank's own token t: quantized from x on the way, as the send does; whole, by part 0
-      if (part == 0 && staging != nullptr)
-        quantize_row_to_many_staged(dst, rows, x + static_cast<long long>(t) * x_cols, x_cols, n16, lane,
-                                    staging + (threadIdx.x >> 5) * n16);
-      else if (part == 0)
-        token_row_to_many(dst, rows, x, t, H, x_cols, lane);
+    if (src == nullptr) {  // this rank's own token t: quantized from x on the way, as the send does
+      const bf16_t* row = x + static_cast<long long>(t) * x_cols;
+      if (staging != nullptr) {  // staged whole, by part 0
+        if (part == 0)
+          quantize_row_to_many_staged(dst, rows, row, x_cols, n16, lane, staging + (threadIdx.x >> 5) * n16);
+      } else {  // each part its share of the row's passes (all of them when a row is one part)
+        const int passes = row_passes(x_cols);
+        quantize_row_to_many(dst, rows, row, x_cols, n16, lane, passes * part / parts, passes * (part + 1) / parts);
+      }
     } else
 #endif
       copy_row_to_many(dst == nullptr ? nullptr : dst + c0, rows, src + c0, chunks, lane);

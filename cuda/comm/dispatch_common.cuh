@@ -178,18 +178,26 @@ __device__ __forceinline__ void copy_row_to_many(uint4* my_dst, unsigned lanes, 
 // For each pass, the row's chunks go out by each_row(store): each_row calls store(dst) for
 // every row base the chunks go to (every lane with the same dst, so it may shuffle between).
 // The row is read once, however many destinations it has.
+// Passes [pass_begin, pass_end) only (row_passes(cols) in all), so several warps may share a
+// row, each its own passes (the expansion at decode, where rows are fewer than warps): a
+// pass's k-blocks, value chunks and scale chunk are its own, and the warp whose passes reach
+// the row's end writes the padding. The bits do not depend on the split.
+__device__ __forceinline__ int row_passes(int cols) { return (cols / 128 + 3) / 4; }
+
 template <class EachRow>
-__device__ __forceinline__ void quantize_row(const bf16_t* src, int cols, int row16, int lane, EachRow each_row) {
+__device__ __forceinline__ void quantize_row(const bf16_t* src, int cols, int row16, int lane, EachRow each_row,
+                                             int pass_begin = 0, int pass_end = 1 << 30) {
   constexpr int kPasses = 2;
   const int k_blocks = cols / 128, values16 = cols / 16, g = lane >> 3, i = lane & 7;
+  pass_end = min(pass_end, row_passes(cols));
   const uint4* row = reinterpret_cast<const uint4*>(src);  // 8 bf16 a chunk: k-block kb's are [16 kb, 16 kb + 16)
-  for (int p = 0; 4 * p < k_blocks; p += kPasses) {  // warp-uniform: every lane takes part in every shuffle
+  for (int p = pass_begin; p < pass_end; p += kPasses) {  // warp-uniform: every lane takes part in every shuffle
     uint4 lo[kPasses], hi[kPasses];
 #pragma unroll
     for (int u = 0; u < kPasses; ++u) {
       const int kb = 4 * (p + u) + g;
       lo[u] = hi[u] = make_uint4(0, 0, 0, 0);
-      if (kb < k_blocks) {
+      if (p + u < pass_end && kb < k_blocks) {
         lo[u] = ld_cg_v4(row + 16 * kb + 2 * i);
         hi[u] = ld_cg_v4(row + 16 * kb + 2 * i + 1);
       }
@@ -212,14 +220,14 @@ __device__ __forceinline__ void quantize_row(const bf16_t* src, int cols, int ro
 #pragma unroll
       for (int u = 0; u < kPasses; ++u) {
         const int kb = 4 * (p + u) + g;
-        if (kb < k_blocks) st_v4(dst + 8 * kb + i, q[u]);
-        if (lane == 0 && 4 * (p + u) < k_blocks) st_v4(dst + values16 + p + u, scales[u]);
+        if (p + u < pass_end && kb < k_blocks) st_v4(dst + 8 * kb + i, q[u]);
+        if (lane == 0 && p + u < pass_end) st_v4(dst + values16 + p + u, scales[u]);
       }
     });
   }
   // The padding after the scale chunks (the last of which holds zeros past the last k-block).
-  const int pad16 = values16 + (k_blocks + 3) / 4;
-  if (pad16 < row16)  // warp-uniform: every lane takes part in the shuffles
+  const int pad16 = values16 + row_passes(cols);
+  if (pass_end == row_passes(cols) && pad16 < row16)  // warp-uniform: every lane takes part in the shuffles
     each_row([&](uint4* dst) {
       for (int c = pad16 + lane; c < row16; c += 32) st_v4(dst + c, make_uint4(0, 0, 0, 0));
     });
@@ -228,12 +236,16 @@ __device__ __forceinline__ void quantize_row(const bf16_t* src, int cols, int ro
 // quantize_row's packed row stored to several destinations at once (lanes as
 // copy_row_to_many's), each chunk from registers to every destination.
 __device__ __forceinline__ void quantize_row_to_many(uint4* my_dst, unsigned lanes, const bf16_t* src, int cols,
-                                                     int row16, int lane) {
-  quantize_row(src, cols, row16, lane, [&](auto store) {
-    for (unsigned m = lanes; m; m &= m - 1)
-      store(reinterpret_cast<uint4*>(
-          __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(my_dst), __ffs(m) - 1)));
-  });
+                                                     int row16, int lane, int pass_begin = 0,
+                                                     int pass_end = 1 << 30) {
+  quantize_row(
+      src, cols, row16, lane,
+      [&](auto store) {
+        for (unsigned m = lanes; m; m &= m - 1)
+          store(reinterpret_cast<uint4*>(
+              __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(my_dst), __ffs(m) - 1)));
+      },
+      pass_begin, pass_end);
 }
 
 // The same row staged whole in this warp's row of shared memory, then handed to the bulk copy
