@@ -191,10 +191,6 @@ __device__ __forceinline__ void quantize_row(const bf16_t* src, int cols, int ro
   const int k_blocks = cols / 128, values16 = cols / 16, g = lane >> 3, i = lane & 7;
   pass_end = min(pass_end, row_passes(cols));
   const uint4* row = reinterpret_cast<const uint4*>(src);  // 8 bf16 a chunk: k-block kb's are [16 kb, 16 kb + 16)
-  // The passes' bf16 columns into L2 at once: a round's loads wait for the round before to
-  // have stored, so without it every round of the row waits for HBM, not only the first.
-  if (lane == 0 && pass_begin < pass_end)
-    bulk_prefetch_l2(src + 512 * pass_begin, 2u * (min(cols, 512 * pass_end) - 512 * pass_begin));
   for (int p = pass_begin; p < pass_end; p += kPasses) {  // warp-uniform: every lane takes part in every shuffle
     uint4 lo[kPasses], hi[kPasses];
 #pragma unroll

@@ -27,11 +27,6 @@ template <int kPending>
 __device__ __forceinline__ void bulk_wait() {
   asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
-// `bytes` (a multiple of 16; src 16-byte aligned) of global memory fetched into L2 by the
-// engine, for loads that come later: nothing waits for it and no register holds it.
-__device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes));
-}
 // Generic-proxy writes to shared memory before it, ordered before async-proxy reads after it
 // (every thread that wrote the tile, before the barrier that hands it over).
 __device__ __forceinline__ void fence_proxy_async_shared() {
