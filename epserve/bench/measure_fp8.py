@@ -153,14 +153,15 @@ def measure_point_fp8(svc, w13, w2, fp8w, topk_all, seed: int, warmup: int, iter
         "layer-library": (tolerance_wrong(outs["layer-library"], outs["layer-unfused"], f"layer-library, {T} tokens/rank")
                           if "layer-library" in paths else None),
     }
+    packed_rows = dispatch_work(counts, fp8_stage.dispatch_width(H), dedup=True)  # every direct dispatch moves these
     work = {
         "gemm1": arithmetic.gemm1_work(counts, H, I),
         "gemm2": arithmetic.gemm2_work(counts, H, I),
         "fused": arithmetic.gemm2_combine_work(counts, H, I),
         "unfused": arithmetic.gemm2_combine_work(counts, H, I),
-        "dispatch-direct": dispatch_work(counts, fp8_stage.dispatch_width(H), dedup=True),  # packed FP8 rows
-        "dispatch-layer": dispatch_work(counts, fp8_stage.dispatch_width(H), dedup=True),
-        "dispatch-packed": dispatch_work(counts, fp8_stage.dispatch_width(H), dedup=True),
+        "dispatch-direct": packed_rows,
+        "dispatch-layer": packed_rows,
+        "dispatch-packed": packed_rows,
         "layer-fused": arithmetic.layer_work(counts, H, I, dedup_dispatch=True),
         "layer-unfused": arithmetic.layer_work(counts, H, I, dedup_dispatch=nccl_path is not None),
         "layer-library": arithmetic.layer_work(counts, H, I, dedup_dispatch=False),
