@@ -135,6 +135,9 @@ def packed_row_bytes(hidden: int) -> int:
     return -(-(hidden + hidden // BLOCK * 4) // PACKED_ROW_ALIGN) * PACKED_ROW_ALIGN
 
 
+PACKED_GROUP_KB = 8  # k-blocks a warp of the packed quantizer takes (cuda/ffn/quantize_fp8.cu kPackedGroupKB)
+
+
 def quantize_rows_packed_spec(x, packed, rows: int) -> tuple:
     """x [>= rows, H] bf16 -> packed [>= rows, packed_row_bytes(H)] uint8: each row's e4m3
     values then its scales (the values and scales of quantize_rows, bit for bit), as a spec
@@ -147,9 +150,11 @@ def quantize_rows_packed_spec(x, packed, rows: int) -> tuple:
             or not packed.flags.c_contiguous:
         raise ValueError(f"packed must be C-contiguous uint8 [>= {rows}, {row_bytes}], got {packed.dtype} "
                          f"{packed.shape}")
+    if x.data.ptr % 16:
+        raise ValueError("x must start on a 16-byte boundary (the quantizer loads 16-byte chunks of it)")
     fn = kernels.function("quantize_fp8", "epserve_quantize_rows_packed_fp8")
-    warps = max(1, rows * (K // BLOCK))
-    grid = max(1, min((warps + 7) // 8, sm_count(cupy.cuda.runtime.getDevice()) * 16))
+    warps = max(1, rows * -(-(K // BLOCK) // PACKED_GROUP_KB))  # a warp per row's group of k-blocks
+    grid = max(1, min((warps + 7) // 8, sm_count(cupy.cuda.runtime.getDevice()) * 8))
     return (fn, (grid,), (256,), (x, _i64(rows), i32(K), packed, _i64(row_bytes)), 0)
 
 

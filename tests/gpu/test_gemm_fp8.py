@@ -104,7 +104,8 @@ def test_quantize_rows_matches_numpy_bitwise(M, K):
     assert np.array_equal(_bits(q), want_q.view(np.uint8)) and np.array_equal(cupy.asnumpy(s), want_s)
 
 
-@pytest.mark.parametrize("M,K", [(1, 128), (37, 256), (515, 7168)])
+# K = 384 and 1152: k-block counts (3, 9) that leave a warp's last loads past the row
+@pytest.mark.parametrize("M,K", [(1, 128), (37, 256), (6, 384), (11, 1152), (515, 7168)])
 def test_packed_rows_hold_the_row_quantizers_bits_and_gemm1_reads_them_in_place(M, K):
     """The FP8 dispatch's packed rows: their values and (unpacked) scales are quantize_rows'
     bits, every byte of a row written, and GEMM 1 reading the values in place (a tensor map
@@ -124,6 +125,7 @@ def test_packed_rows_hold_the_row_quantizers_bits_and_gemm1_reads_them_in_place(
     assert np.array_equal(got[:M, :K], cupy.asnumpy(q)), "packed values differ from quantize_rows'"
     assert np.array_equal(got[:M, K:K + K // 32].view(np.float32).T, cupy.asnumpy(s)[:, :M])
     assert (got[M:] == 0xEE).all(), "rows past M were written"
+    assert (got[:M, K + K // 32:] == 0).all(), "a row's bytes after its scales are not zeros"
     unpacked = cupy.full((K // 128, f8.scale_ld(M + 3)), np.nan, np.float32)
     count = cupy.asarray(np.array([M], np.int32))
     gemm.run([fp8.unpack_row_scales_spec(packed, K, unpacked, M + 3, count)])  # stops at the count
