@@ -12,7 +12,7 @@
 // with EPSERVE_DISPATCH_QUANTIZE quantizes tokens into packed rows with the same functions
 // (common/fp8_rows.cuh), so its rows are this kernel's bits.
 #include "common/bf16.cuh"
-#include "common/fp8_rows.cuh"  // warp_max, quantize_bf16x4: shared with the dispatch's quantizing send
+#include "common/fp8_rows.cuh"  // warp_max, lanes_max, quantize_bf16x4/x8: shared with the dispatch's quantizing send
 
 using namespace epserve;
 
